@@ -1,0 +1,127 @@
+"""The ``hora`` command: ``hora run`` (what ``horovodrun`` users type), ``hora check``, ``hora bench``.
+
+This is the one place in the runner that prints. Library modules log and raise; here errors found
+before any worker starts become ``hora run: error: ...`` with exit status 2 (argparse's convention),
+and the end of a failed job becomes one line naming the rank, its host and its exit status.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Sequence
+
+import hora
+from hora.errors import ConfigError, LaunchError
+
+logger = logging.getLogger(__name__)
+
+USAGE = """\
+usage: hora <command> [options]
+
+commands:
+  run     start N workers of a command:  hora run -np 4 python train.py
+  check   show hora's version, transports, frameworks and configuration
+  bench   run hora's benchmarks:          hora bench --help
+
+`hora <command> --help` describes each command's options.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hora`` console script; returns the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(args)
+    except SystemExit as exc:  # argparse's way of reporting usage errors and --help
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+
+def _dispatch(args: list[str]) -> int:
+    if not args or args[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0
+    if args[0] == "--version":
+        print(f"hora {hora.__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "run":
+        return run_main(rest)
+    if command == "check":
+        return check_main(rest)
+    if command == "bench":
+        return bench_main(rest)
+    print(f"hora: error: unknown command {command!r} (choose from run, check, bench)", file=sys.stderr)
+    sys.stderr.write(USAGE)
+    return 2
+
+
+def check_main(args: Sequence[str]) -> int:
+    """``hora check``: print what is installed and configured."""
+    if any(arg in ("-h", "--help") for arg in args):
+        print("usage: hora check\n\nPrint hora's version, transports, frameworks and configuration.")
+        return 0
+    if args:
+        print(f"hora check: error: unexpected arguments: {' '.join(args)}", file=sys.stderr)
+        return 2
+    from hora.runner.check import report_lines
+
+    print("\n".join(report_lines()))
+    return 0
+
+
+def bench_main(args: Sequence[str]) -> int:
+    """``hora bench ARGS...``: hand over to :func:`hora.bench.cli.main` (owned by the bench module)."""
+    try:
+        from hora.bench.cli import main as bench_cli_main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("hora.bench", "hora.bench.cli"):
+            raise  # the benchmarks exist but something they need is missing: show it
+        print("hora bench: error: the benchmarks are not available in this install "
+              "(hora.bench.cli is missing)", file=sys.stderr)
+        return 1
+    return int(bench_cli_main(list(args)) or 0)
+
+
+def _configure_logging(verbose: bool, level_name: str | None) -> None:
+    level = logging.INFO if verbose else logging.WARNING
+    if level_name:
+        level = min(level, {"TRACE": logging.DEBUG, "FATAL": logging.CRITICAL}.get(
+            level_name, getattr(logging, level_name, logging.WARNING)))
+    logging.basicConfig(level=level, format="hora run: %(message)s", stream=sys.stderr)
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """``hora run``: parse, validate, launch, and report how the job ended."""
+    from hora.runner.job import LocalJob
+    from hora.runner.run_args import build_parser, command_of, knob_environment, resolve_hosts
+
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.check_build:
+        return check_main([])
+    if args.np is None:
+        parser.error("-np/--num-proc is required (the number of workers to start)")
+    command = command_of(args)
+    if not command:
+        parser.error("missing the command to run, e.g. hora run -np 2 python train.py")
+    _configure_logging(args.verbose, args.log_level)
+    try:
+        hosts = resolve_hosts(args)
+        job = LocalJob(hosts, args.np, command, extra_env=knob_environment(args),
+                       output_dir=args.output_filename)
+    except (ConfigError, LaunchError) as exc:
+        parser.error(str(exc))
+    for slot in job.slots:
+        logger.info("rank %d on %s: local rank %d of %d, cross rank %d of %d", slot.rank,
+                    slot.hostname, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size)
+    try:
+        with job:
+            outcome = job.run(handle_signals=True)
+    except LaunchError as exc:
+        print(f"hora run: error: {exc}", file=sys.stderr)
+        return 1
+    message = outcome.message()
+    if message:
+        print(f"hora run: {message}", file=sys.stderr, flush=True)
+    return outcome.exit_code

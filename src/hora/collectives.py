@@ -1,0 +1,340 @@
+"""Collectives on NumPy arrays: hora's own binding, and the model the framework bindings follow.
+
+Each collective has an ``_async`` form returning a handle at once and a synchronous form that waits.
+Arguments, defaults and errors follow Horovod's API (../shared/API.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import cloudpickle
+import ml_dtypes
+import numpy as np
+
+from hora import basics
+from hora.basics import Adasum, Average, Max, Min, Product, ProcessSet, Sum, global_process_set
+from hora.engine.executor import reducescatter_rows
+from hora.engine.request import Handle, Kind, Request, Signature, dtype_name
+from hora.transport.base import SUPPORTED_DTYPES
+
+_OP_NAMES = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+_group_ids = itertools.count()
+
+
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
+def _as_array(tensor: Any, what: str = "tensor") -> np.ndarray:
+    arr = tensor if type(tensor) is np.ndarray and tensor.flags.c_contiguous else np.ascontiguousarray(tensor)
+    if arr.dtype not in _SUPPORTED:
+        raise TypeError(
+            f"{what} has dtype {arr.dtype}; hora supports "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    return arr
+
+
+def resolve_op(op: int | None, average: bool | None = None) -> int:
+    """Horovod's rule: ``op=None`` means Average; ``average`` is the deprecated spelling."""
+    if op is not None and average is not None:
+        raise ValueError("give either op or the deprecated average argument, not both")
+    if op is None:
+        return Average if average is None or average else Sum
+    if op == Adasum:
+        raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
+    if op not in _OP_NAMES:
+        raise ValueError(f"unknown reduce op {op!r}; use hora.Average, Sum, Min, Max or Product")
+    return op
+
+
+def _check_op_dtype(op: int, dtype: np.dtype) -> None:
+    if dtype == np.bool_ and op in (Average,):
+        raise TypeError("Average is not defined for bool tensors; use Sum (logical or) or Min (logical and)")
+
+
+def _submit(requests: list[Request]) -> list[Handle]:
+    return basics.engine().submit(requests)
+
+
+def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: ProcessSet,
+             output: np.ndarray | None = None, **fields: Any) -> Request:
+    name = name if name is not None else basics.next_name(kind.value)
+    dtype = dtype_name(arr.dtype) if arr is not None else "uint8"
+    shape = tuple(arr.shape) if arr is not None else ()
+    sig = Signature(kind, dtype, shape, **fields)
+    return Request(name, sig, arr, Handle(name), basics.process_set_id(process_set), output=output)
+
+
+# ---- allreduce ----------------------------------------------------------------------------------
+
+def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: int | None,
+                       prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
+                       inplace: bool = False, group: str = "", group_size: int = 0) -> Request:
+    op = resolve_op(op, average)
+    arr = tensor if inplace else _as_array(tensor)
+    if inplace:
+        if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise ValueError("in-place allreduce needs a writeable, C-contiguous numpy array")
+        _as_array(arr)
+    _check_op_dtype(op, arr.dtype)
+    return _request(Kind.ALLREDUCE, name, arr, process_set, output=arr if inplace else None,
+                    op=_OP_NAMES[op], prescale=float(prescale_factor), postscale=float(postscale_factor),
+                    group=group, group_size=group_size)
+
+
+def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None, op: int | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start averaging (or summing, ...) ``tensor`` across ranks; ``synchronize`` returns a new array."""
+    request = _allreduce_request(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _submit([request])[0]
+
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None, op: int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """In place: the result overwrites ``tensor``."""
+    request = _allreduce_request(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                                 inplace=True)
+    return _submit([request])[0]
+
+
+def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None = None, op: int | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def _group_names(name: str | None, count: int, kind: str) -> tuple[str, list[str]]:
+    base = name if name is not None else basics.next_name(f"grouped_{kind}")
+    return base, [f"{base}.{i}" for i in range(count)]
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> list[Handle]:
+    """Reduce a list of tensors as one fused unit (they are negotiated and sent together)."""
+    base, names = _group_names(name, len(tensors), "allreduce")
+    requests = [
+        _allreduce_request(t, average, n, op, prescale_factor, postscale_factor, process_set,
+                           group=base, group_size=len(tensors))
+        for t, n in zip(tensors, names)
+    ]
+    return _submit(requests) if requests else []
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
+                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    handles = grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    return [synchronize(h) for h in handles]
+
+
+# ---- allgather ----------------------------------------------------------------------------------
+
+def _allgather_request(tensor: Any, name: str | None, process_set: ProcessSet,
+                       group: str = "", group_size: int = 0) -> Request:
+    arr = _as_array(tensor)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    return _request(Kind.ALLGATHER, name, arr, process_set, group=group, group_size=group_size)
+
+
+def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
+    """Concatenate every rank's tensor along the first dimension (first dimensions may differ)."""
+    return _submit([_allgather_request(tensor, name, process_set)])[0]
+
+
+def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> list[Handle]:
+    base, names = _group_names(name, len(tensors), "allgather")
+    requests = [_allgather_request(t, n, process_set, base, len(tensors)) for t, n in zip(tensors, names)]
+    return _submit(requests) if requests else []
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    return [synchronize(h) for h in grouped_allgather_async(tensors, name, process_set)]
+
+
+# ---- broadcast ----------------------------------------------------------------------------------
+
+def _broadcast_request(tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet,
+                       inplace: bool) -> Request:
+    arr = tensor if inplace else _as_array(tensor)
+    if inplace and (not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable):
+        raise ValueError("in-place broadcast needs a writeable, C-contiguous numpy array")
+    _as_array(arr)
+    members = global_process_set.ranks if process_set is global_process_set else process_set.ranks
+    if int(root_rank) not in members:
+        raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {members})")
+    return _request(Kind.BROADCAST, name, arr, process_set, output=arr if inplace else None, root=int(root_rank))
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start copying ``root_rank``'s tensor to every rank (``root_rank`` is a global rank)."""
+    return _submit([_broadcast_request(tensor, root_rank, name, process_set, False)])[0]
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    return _submit([_broadcast_request(tensor, root_rank, name, process_set, True)])[0]
+
+
+def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ---- alltoall -----------------------------------------------------------------------------------
+
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Send ``splits[j]`` rows (first dimension) to rank j; equal splits when None."""
+    arr = _as_array(tensor)
+    if arr.ndim == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    n = len(global_process_set.ranks if process_set is global_process_set else process_set.ranks)
+    if splits is None:
+        if arr.shape[0] % n:
+            raise ValueError(f"alltoall without splits needs the first dimension ({arr.shape[0]}) "
+                             f"divisible by the number of ranks ({n})")
+        split_list = [arr.shape[0] // n] * n
+    else:
+        split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
+        if len(split_list) != n or sum(split_list) != arr.shape[0] or min(split_list) < 0:
+            raise ValueError(f"splits {split_list} must have {n} non-negative entries adding up to "
+                             f"the first dimension {arr.shape[0]}")
+    handle = _submit([_request(Kind.ALLTOALL, name, arr, process_set, splits=tuple(split_list))])[0]
+    return handle
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The received rows; with ``splits`` given, also how many rows came from each rank."""
+    output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return output if splits is None else (output, received)
+
+
+# ---- reducescatter ------------------------------------------------------------------------------
+
+def _reducescatter_request(tensor: Any, name: str | None, op: int, process_set: ProcessSet,
+                           prescale_factor: float, postscale_factor: float,
+                           group: str = "", group_size: int = 0) -> Request:
+    if op not in (Average, Sum):
+        raise ValueError("reducescatter supports op=Average and op=Sum only")
+    arr = _as_array(tensor)
+    if arr.ndim == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    _check_op_dtype(op, arr.dtype)
+    return _request(Kind.REDUCESCATTER, name, arr, process_set, op=_OP_NAMES[op],
+                    prescale=float(prescale_factor), postscale=float(postscale_factor),
+                    group=group, group_size=group_size)
+
+
+def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Reduce across ranks, then give rank i the i-th block of rows (earlier ranks get the remainder)."""
+    return _submit([_reducescatter_request(tensor, name, op, process_set, prescale_factor, postscale_factor)])[0]
+
+
+def reducescatter(tensor: Any, name: str | None = None, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> list[Handle]:
+    base, names = _group_names(name, len(tensors), "reducescatter")
+    requests = [_reducescatter_request(t, n, op, process_set, prescale_factor, postscale_factor, base, len(tensors))
+                for t, n in zip(tensors, names)]
+    return _submit(requests) if requests else []
+
+
+def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, op: int = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[np.ndarray]:
+    handles = grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor)
+    return [synchronize(h) for h in handles]
+
+
+# ---- control ------------------------------------------------------------------------------------
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has reached the barrier."""
+    synchronize(basics.submit_control(Kind.BARRIER, basics.next_name("barrier"), process_set))
+
+
+def join(device: int = -1) -> int:
+    """Declare this rank out of data; it contributes zeros until every rank joins. Returns the last to join."""
+    return int(synchronize(basics.submit_control(Kind.JOIN, basics.next_name("join"))))
+
+
+def poll(handle: Handle) -> bool:
+    """True once the collective behind ``handle`` has finished (successfully or not)."""
+    return handle.done()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for the collective and return its result; raises its error in this thread."""
+    return handle.wait()
+
+
+# ---- objects ------------------------------------------------------------------------------------
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s picklable object, on every rank of the process set."""
+    base = name if name is not None else basics.next_name("broadcast_object")
+    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if basics.rank() == root_rank else None
+    length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+    length = broadcast(length, root_rank, f"{base}.size", process_set)
+    buf = payload if payload is not None else np.zeros(int(length[0]), dtype=np.uint8)
+    data = broadcast(buf, root_rank, f"{base}.data", process_set)
+    return obj if payload is not None else cloudpickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's picklable object, in rank order."""
+    base = name if name is not None else basics.next_name("allgather_object")
+    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
+    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.sizes", process_set)
+    data = allgather(payload, f"{base}.data", process_set)
+    out, offset = [], 0
+    for n in sizes:
+        out.append(cloudpickle.loads(data[offset : offset + int(n)].tobytes()))
+        offset += int(n)
+    return out
+
+
+__all__ = [
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async",
+    "barrier", "join", "poll", "synchronize", "broadcast_object", "allgather_object",
+    "reducescatter_rows",
+]

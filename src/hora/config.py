@@ -1,0 +1,183 @@
+"""Every hora knob in one table.
+
+Each knob has a name, the ``HORA_*`` environment variable that sets it, the ``HOROVOD_*`` alias a
+migrating user already exports, a default, a parser and a one-line doc. This module is the only place
+in hora that reads ``os.environ``: everything else asks :func:`get` (or :func:`load` for a snapshot),
+so a knob is documented, parsed and validated exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from hora.errors import ConfigError
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on", "y", "t"):
+        return True
+    if lowered in ("0", "false", "no", "off", "n", "f", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_str(text: str) -> str:
+    return text
+
+
+def _parse_nonneg_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _parse_pos_float(text: str) -> float:
+    value = float(text.strip())
+    if value <= 0:
+        raise ValueError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _parse_nonneg_float(text: str) -> float:
+    value = float(text.strip())
+    if value < 0:
+        raise ValueError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def _parse_log_level(text: str) -> str:
+    level = text.strip().upper()
+    allowed = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL", "CRITICAL")
+    if level not in allowed:
+        raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
+    return level
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One configuration entry: where it is read from and how it is parsed."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    horovod_alias: bool = True
+
+    @property
+    def env(self) -> str:
+        return "HORA_" + self.name.upper()
+
+    @property
+    def alias(self) -> str | None:
+        return "HOROVOD_" + self.name.upper() if self.horovod_alias else None
+
+
+MiB = 1024 * 1024
+
+KNOBS: tuple[Knob, ...] = (
+    # Identity, set by the launcher for each worker.
+    Knob("rank", None, _parse_nonneg_int, "Global rank of this worker (set by hora run)."),
+    Knob("size", None, _parse_nonneg_int, "Number of workers in the job (set by hora run)."),
+    Knob("local_rank", None, _parse_nonneg_int, "Rank of this worker among those on its host."),
+    Knob("local_size", None, _parse_nonneg_int, "Number of workers on this worker's host."),
+    Knob("cross_rank", None, _parse_nonneg_int, "Index of this worker's host among hosts with the same local rank."),
+    Knob("cross_size", None, _parse_nonneg_int, "Number of hosts that have a worker with this local rank."),
+    Knob("hostname", None, _parse_str, "Host name the launcher assigned this worker to."),
+    # Rendezvous, set by the launcher.
+    Knob("rendezvous_addr", None, _parse_str, "Address of the job's rendezvous store.", horovod_alias=False),
+    Knob("rendezvous_port", None, _parse_nonneg_int, "Port of the job's rendezvous store.", horovod_alias=False),
+    Knob("secret", None, _parse_str, "Hex job secret every connection proves it knows.", horovod_alias=False),
+    Knob("job_id", None, _parse_str, "Identifier of the job, unique per launch.", horovod_alias=False),
+    # Launcher behaviour.
+    Knob("start_timeout", 30.0, _parse_pos_float, "Seconds to wait for every worker to check in."),
+    Knob("kill_grace", 5.0, _parse_nonneg_float,
+         "Seconds between SIGTERM and SIGKILL when the launcher stops workers.", horovod_alias=False),
+    # Transport.
+    Knob("transport_timeout", 30.0, _parse_pos_float,
+         "Seconds a collective may wait on a peer without progress before failing.", horovod_alias=False),
+    Knob("iface", None, _parse_str,
+         "Address workers listen on for peer connections (default: the host's address).",
+         horovod_alias=False),
+    Knob("ring_chunk_bytes", 1 * MiB, _parse_nonneg_int,
+         "Pipeline chunk of the TCP ring, in bytes.", horovod_alias=False),
+    Knob("ring_small_bytes", 64 * 1024, _parse_nonneg_int,
+         "Messages up to this size use the latency-optimal algorithm instead of the ring.",
+         horovod_alias=False),
+    Knob("socket_buffer_bytes", 4 * MiB, _parse_nonneg_int,
+         "SO_SNDBUF/SO_RCVBUF for peer sockets (0 keeps the OS default).", horovod_alias=False),
+    # Engine (read by later layers; listed here so every knob lives in one table).
+    Knob("fusion_threshold", 128 * MiB, _parse_nonneg_int, "Tensor fusion buffer size in bytes; 0 disables fusion."),
+    Knob("cycle_time", 1.0, _parse_nonneg_float, "Engine cycle time in milliseconds."),
+    Knob("cache_capacity", 1024, _parse_nonneg_int, "Response cache entries; 0 disables the cache."),
+    Knob("timeline", None, _parse_str, "Path of the Chrome-trace timeline written by rank 0, or DYNAMIC."),
+    Knob("timeline_mark_cycles", False, _parse_bool, "Mark engine cycles in the timeline."),
+    Knob("stall_check_disable", False, _parse_bool, "Disable the stall inspector."),
+    Knob("stall_check_time_seconds", 60.0, _parse_nonneg_float, "Seconds before a stalled request is reported."),
+    Knob("stall_shutdown_time_seconds", 0.0, _parse_nonneg_float,
+         "Seconds before a stalled request fails the job (0: never)."),
+    Knob("hierarchical_allreduce", False, _parse_bool, "Reduce within hosts first, then across hosts."),
+    Knob("autotune", False, _parse_bool, "Tune fusion threshold and cycle time while training."),
+    Knob("autotune_log", None, _parse_str, "CSV file the autotuner logs its trials to."),
+    Knob("log_level", "WARNING", _parse_log_level, "Log level of hora's loggers."),
+    Knob("elastic", False, _parse_bool, "Run in elastic mode."),
+)
+
+_BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
+
+
+def knob(name: str) -> Knob:
+    """The table entry for ``name``; a KeyError names the unknown knob."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown hora configuration knob {name!r}") from None
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The current value of a knob: ``HORA_*`` wins over ``HOROVOD_*``, then the default.
+
+    A value that does not parse raises :class:`ConfigError` naming the variable, so a typo in a
+    job's environment fails loudly at start instead of silently using a default.
+    """
+    entry = knob(name)
+    env = os.environ if environ is None else environ
+    for var in (entry.env, entry.alias):
+        if var is None or var not in env:
+            continue
+        raw = env[var]
+        try:
+            return entry.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"environment variable {var}={raw!r} is invalid: {exc}") from None
+    return entry.default
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a knob is given in the environment under either of its names."""
+    entry = knob(name)
+    env = os.environ if environ is None else environ
+    return entry.env in env or (entry.alias is not None and entry.alias in env)
+
+
+def load(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A snapshot of every knob, for logging and for ``hora check``."""
+    return {entry.name: get(entry.name, environ) for entry in KNOBS}
+
+
+def env_for(name: str, value: Any, with_alias: bool = True) -> dict[str, str]:
+    """Environment entries that set ``name`` to ``value`` for a child process (both spellings)."""
+    entry = knob(name)
+    text = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    out = {entry.env: text}
+    if with_alias and entry.alias is not None:
+        out[entry.alias] = text
+    return out
+
+
+def environ_copy() -> dict[str, str]:
+    """The process environment, for launchers that pass it on to workers."""
+    return dict(os.environ)

@@ -1,0 +1,200 @@
+"""The coordinator: decides which requests are ready on every rank, and checks that they agree.
+
+It runs on the first member of each process set. Each negotiation round it receives the signatures
+newly submitted on every member, and answers with an ordered list of :class:`Response` objects that
+every member then executes in that order. Disagreement (shape, dtype, op, root, ...) becomes an error
+response for that name on every member, never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hora.engine.request import Kind, Signature
+
+
+@dataclass
+class Response:
+    """One name's agreed collective (or its error), as every member will execute it."""
+
+    name: str
+    signature: Signature  # the coordinator's reference signature (member 0's, or the first seen)
+    error: str | None = None
+    rows: tuple[int, ...] = ()  # allgather: first dimension on each member
+    splits: tuple[tuple[int, ...], ...] = ()  # alltoall: splits[i][j] = rows member i sends to j
+    joined: tuple[int, ...] = ()  # members contributing zeros (allreduce after join)
+    last_joined: int = -1  # join: the last member to join
+
+    @property
+    def cacheable(self) -> bool:
+        return (
+            self.error is None
+            and not self.joined
+            and self.signature.kind not in (Kind.JOIN, Kind.BARRIER)
+        )
+
+
+@dataclass
+class _Pending:
+    first_seen: float
+    order: int
+    signatures: dict[int, Signature] = field(default_factory=dict)
+    warned_at: float = 0.0
+
+
+@dataclass
+class StallReport:
+    warnings: list[str]
+    fatal: str | None
+
+
+class Coordinator:
+    """Negotiation state of one process set; ``members`` maps member index -> global rank."""
+
+    def __init__(self, members: list[int]) -> None:
+        self.members = members
+        self.size = len(members)
+        self._pending: dict[str, _Pending] = {}
+        self._joined: list[int] = []
+        self._counter = 0
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def is_pending(self, name: str) -> bool:
+        return name in self._pending
+
+    @property
+    def joined(self) -> tuple[int, ...]:
+        return tuple(self._joined)
+
+    def submit(self, member: int, signatures: list[tuple[str, Signature]], now: float | None = None) -> None:
+        """Record that ``member`` has these requests ready."""
+        now = time.monotonic() if now is None else now
+        for name, sig in signatures:
+            if sig.kind == Kind.JOIN:
+                if member not in self._joined:
+                    self._joined.append(member)
+                continue
+            entry = self._pending.get(name)
+            if entry is None:
+                entry = self._pending[name] = _Pending(first_seen=now, order=self._counter)
+                self._counter += 1
+            entry.signatures[member] = sig
+
+    def ready(self) -> list[Response]:
+        """Responses for every name now ready on all non-joined members, in first-seen order."""
+        needed = [m for m in range(self.size) if m not in self._joined]
+        complete = {
+            name
+            for name, entry in self._pending.items()
+            if all(m in entry.signatures for m in needed) and entry.signatures
+        }
+        # A grouped collective is released only when all of its members are ready.
+        groups: dict[str, list[str]] = {}
+        for name in complete:
+            sig = next(iter(self._pending[name].signatures.values()))
+            if sig.group:
+                groups.setdefault(sig.group, []).append(name)
+        for group, names in groups.items():
+            sig = next(iter(self._pending[names[0]].signatures.values()))
+            if len(names) < sig.group_size:
+                complete.difference_update(names)
+        ordered = sorted(complete, key=lambda n: self._pending[n].order)
+        responses = [self._respond(name, self._pending.pop(name)) for name in ordered]
+        if self._joined and len(self._joined) == self.size:
+            last = self._joined[-1]
+            self._joined.clear()
+            join_sig = Signature(Kind.JOIN, "uint8", ())
+            responses.append(Response("__join__", join_sig, last_joined=last))
+        return responses
+
+    def _respond(self, name: str, entry: _Pending) -> Response:
+        sigs = entry.signatures
+        members = sorted(sigs)
+        ref = sigs[members[0]]
+        joined = tuple(self._joined)
+        error = self._disagreement(name, sigs)
+        if error is None and joined and ref.kind != Kind.ALLREDUCE:
+            error = (
+                f"{ref.kind.value} of tensor {name!r} while ranks {[self.members[j] for j in joined]} "
+                "have joined; only allreduce supports join"
+            )
+        if error is not None:
+            return Response(name, ref, error=error)
+        rows: tuple[int, ...] = ()
+        splits: tuple[tuple[int, ...], ...] = ()
+        if ref.kind == Kind.ALLGATHER:
+            rows = tuple(sigs[m].shape[0] for m in range(self.size))
+        elif ref.kind == Kind.ALLTOALL:
+            splits = tuple(sigs[m].splits for m in range(self.size))
+        return Response(name, ref, rows=rows, splits=splits, joined=joined)
+
+    def _disagreement(self, name: str, sigs: dict[int, Signature]) -> str | None:
+        members = sorted(sigs)
+        ref = sigs[members[0]]
+        kind = ref.kind.value
+
+        def describe(field_name: str, value_of) -> str:
+            parts = ", ".join(f"rank {self.members[m]} has {value_of(sigs[m])}" for m in members)
+            return f"Mismatched {kind} {field_name} for tensor {name!r}: {parts}"
+
+        checks = [
+            ("operations", lambda s: s.kind.value),
+            ("data types", lambda s: s.dtype),
+            ("reduce ops", lambda s: s.op),
+            ("root ranks", lambda s: s.root),
+            ("prescale factors", lambda s: s.prescale),
+            ("postscale factors", lambda s: s.postscale),
+            ("groups", lambda s: s.group or "none"),
+        ]
+        for label, value_of in checks:
+            if any(value_of(sigs[m]) != value_of(ref) for m in members):
+                return describe(label, value_of)
+        if ref.kind in (Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER):
+            if any(sigs[m].shape != ref.shape for m in members):
+                return describe("shapes", lambda s: list(s.shape))
+        if ref.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+            if any(len(sigs[m].shape) == 0 for m in members):
+                return f"{kind} of tensor {name!r} needs at least one dimension"
+            if any(sigs[m].shape[1:] != ref.shape[1:] for m in members):
+                return describe("shapes (all but the first dimension must match)", lambda s: list(s.shape))
+        if ref.kind == Kind.ALLTOALL:
+            for m in members:
+                s = sigs[m]
+                if len(s.splits) != self.size or sum(s.splits) != s.shape[0] or min(s.splits, default=0) < 0:
+                    return (
+                        f"ALLTOALL splits for tensor {name!r} on rank {self.members[m]} are {list(s.splits)}: "
+                        f"need {self.size} non-negative entries adding up to the first dimension {s.shape[0]}"
+                    )
+        if ref.kind == Kind.PROCESS_SET and any(sigs[m].splits != ref.splits for m in members):
+            return describe("rank lists", lambda s: list(s.splits))
+        if ref.kind == Kind.BROADCAST and ref.root not in self.members:
+            return f"BROADCAST root rank {ref.root} of tensor {name!r} is not in the process set {self.members}"
+        return None
+
+    def stalls(self, now: float, warn_after: float, fail_after: float) -> StallReport:
+        """Names waiting too long with some members missing: warnings, and a fatal message past the limit."""
+        warnings: list[str] = []
+        fatal: str | None = None
+        needed = [m for m in range(self.size) if m not in self._joined]
+        for name, entry in self._pending.items():
+            waited = now - entry.first_seen
+            missing = [self.members[m] for m in needed if m not in entry.signatures]
+            if not missing:
+                continue
+            if fail_after > 0 and waited >= fail_after and fatal is None:
+                fatal = (
+                    f"stalled for {waited:.0f} s: tensor {name!r} is ready on ranks "
+                    f"{[self.members[m] for m in sorted(entry.signatures)]} but ranks {missing} never "
+                    "submitted it (HORA_STALL_SHUTDOWN_TIME_SECONDS reached)"
+                )
+            if warn_after > 0 and waited >= warn_after and now - entry.warned_at >= warn_after:
+                entry.warned_at = now
+                warnings.append(
+                    f"tensor {name!r} has waited {waited:.0f} s: missing ranks {missing} "
+                    "(they may have diverged, e.g. skipped a step or submitted another name)"
+                )
+        return StallReport(warnings, fatal)

@@ -1,0 +1,425 @@
+"""The engine's background thread: the negotiation cycle of DESIGN.md.
+
+Each cycle, for every process set this rank belongs to (in id order, so all ranks agree):
+1. drain newly submitted requests; a request that matches a cached response sets that entry's bit;
+2. one bitwise-AND allreduce of a small control vector tells every member which cached tensors are
+   ready everywhere, whether anyone has uncached requests, invalidated entries or wants to shut down;
+3. cached-and-ready tensors execute at once; if anyone has uncached requests, their signatures go to
+   the coordinator, which answers with the ordered responses every member then executes.
+The framework thread only ever blocks in ``Handle.wait``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hora.engine.cache import Lookup, ResponseCache
+from hora.engine.coordinator import Coordinator, Response
+from hora.engine.executor import Executor, Item
+from hora.engine.request import Handle, Kind, Request, Signature
+from hora.engine.timeline import Timeline
+from hora.errors import HorovodInternalError
+from hora.transport.base import Communicator, ReduceOp
+
+logger = logging.getLogger(__name__)
+
+_FLAG_UNCACHED = 1
+_FLAG_SHUTDOWN = 2
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_SETTLE_S = 50e-6
+
+
+@dataclass
+class EngineSettings:
+    fusion_threshold: int
+    cycle_time_s: float
+    cache_capacity: int
+    stall_check: bool
+    stall_warning_s: float
+    stall_shutdown_s: float
+
+
+@dataclass
+class SetState:
+    """Negotiation state of one process set on this rank."""
+
+    set_id: int
+    members: list[int]
+    comm: Communicator
+    cache: ResponseCache
+    executor: Executor
+    coordinator: Coordinator | None
+    inbox: "queue.SimpleQueue[Request]" = field(default_factory=queue.SimpleQueue)
+    in_flight: dict[str, Request] = field(default_factory=dict)  # submitted, not yet completed
+    by_bit: dict[int, Request] = field(default_factory=dict)
+    invalid: set[int] = field(default_factory=set)
+    uncached: list[Request] = field(default_factory=list)
+    awaiting: dict[str, Request] = field(default_factory=dict)  # sent to the coordinator
+    joined: tuple[int, ...] = ()
+    last_round: float = 0.0
+
+    @property
+    def member(self) -> int:
+        return self.comm.rank
+
+
+class Engine:
+    """Owns the background thread, the process sets and every in-flight request of this rank."""
+
+    def __init__(
+        self,
+        world: Communicator,
+        settings: EngineSettings,
+        make_communicator,
+        timeline: Timeline | None = None,
+    ) -> None:
+        self.settings = settings
+        self.world = world
+        self.global_rank = world.rank  # ranks as hora.rank() numbers them
+        self._make_communicator = make_communicator
+        self.timeline = timeline if self.global_rank == 0 else None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop_requested = False
+        self._failure: HorovodInternalError | None = None
+        self._sets: dict[int, SetState] = {}
+        self._known_sets: dict[int, list[int]] = {}
+        self._next_set_id = 1
+        self._names = itertools.count()
+        self._add_set(0, list(range(world.size)), world)
+        self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
+        self._thread.start()
+
+    # ---- process sets -------------------------------------------------------------------------
+
+    def _add_set(self, set_id: int, members: list[int], comm: Communicator | None) -> None:
+        self._known_sets[set_id] = list(members)
+        if comm is None:
+            return
+        state = SetState(
+            set_id=set_id,
+            members=list(members),
+            comm=comm,
+            cache=ResponseCache(self.settings.cache_capacity),
+            executor=Executor(comm, list(members), self.settings.fusion_threshold, self.timeline),
+            coordinator=Coordinator(list(members)) if comm.rank == 0 else None,
+        )
+        state.executor.before_complete = lambda item, state=state: self._finished(state, item)
+        self._sets[set_id] = state
+
+    def process_set_members(self, set_id: int) -> list[int] | None:
+        return self._known_sets.get(set_id)
+
+    def process_set_ids(self) -> list[int]:
+        return sorted(self._known_sets)
+
+    def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
+        """Swap the timeline (start_timeline/stop_timeline); returns the previous one."""
+        with self._lock:
+            previous = self.timeline
+            self.timeline = timeline if self.global_rank == 0 else None
+            for state in self._sets.values():
+                state.executor.timeline = self.timeline
+            return previous
+
+    # ---- submission ---------------------------------------------------------------------------
+
+    def auto_name(self, kind: str) -> str:
+        return f"{kind.lower()}.noname.{next(self._names)}"
+
+    def submit(self, requests: list[Request]) -> list[Handle]:
+        """Queue requests (a grouped collective's members together); returns their handles at once."""
+        with self._lock:
+            if self._failure is not None:
+                raise HorovodInternalError(str(self._failure))
+            if self._stop_requested:
+                raise HorovodInternalError("hora is shutting down; no new collectives are accepted")
+            set_id = requests[0].process_set_id
+            state = self._sets.get(set_id)
+            if state is None:
+                if set_id in self._known_sets:
+                    raise ValueError(
+                        f"rank {self.global_rank} is not in process set {set_id} "
+                        f"(ranks {self._known_sets[set_id]})"
+                    )
+                raise ValueError(f"process set {set_id} does not exist (was it removed?)")
+            names = [r.name for r in requests]
+            for name in names:
+                if name in state.in_flight or names.count(name) > 1:
+                    raise ValueError(
+                        f"a collective named {name!r} is still in flight on rank {self.global_rank}; "
+                        "wait for it (synchronize) or use another name"
+                    )
+            now = time.monotonic()
+            for request in requests:
+                request.submitted_at = now
+                state.in_flight[request.name] = request
+                state.inbox.put(request)
+        self._wake.set()
+        return [r.handle for r in requests]
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop after telling every rank (through the next cycle); fails whatever is still pending."""
+        with self._lock:
+            self._stop_requested = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("rank %d: engine thread did not stop within %.0f s", self.global_rank, timeout)
+        for set_id, state in self._sets.items():
+            if set_id != 0:
+                state.comm.close()
+
+    @property
+    def failure(self) -> HorovodInternalError | None:
+        return self._failure
+
+    def _fail_all(self, error: HorovodInternalError) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            states = list(self._sets.values())
+        for state in states:
+            with self._lock:  # every queued request is also in in_flight (see submit)
+                doomed = list(state.in_flight.values())
+                state.in_flight.clear()
+            for request in doomed:
+                if not request.handle.done():
+                    request.handle.set_error(HorovodInternalError(str(error)))
+
+    # ---- the cycle ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                # Idle ranks still cycle every cycle_time (peers may be waiting on them); with work,
+                # cycles run back to back, each first letting a burst of submissions settle.
+                if self._has_work() or self._wake.wait(self.settings.cycle_time_s):
+                    self._settle()
+                self._wake.clear()
+                if self.timeline is not None:
+                    self.timeline.cycle()
+                stop = False
+                for set_id in sorted(self._sets):
+                    state = self._sets.get(set_id)
+                    if state is not None and self._cycle(state):
+                        stop = True
+                if stop:
+                    self._fail_all(HorovodInternalError(
+                        "hora was shut down (a rank called shutdown() or exited) while this "
+                        "collective was pending"))
+                    return
+        except HorovodInternalError as exc:
+            logger.error("rank %d: %s", self.global_rank, exc)
+            self._fail_all(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must fail handles, not hang them
+            logger.exception("rank %d: engine thread crashed", self.global_rank)
+            self._fail_all(HorovodInternalError(f"rank {self.global_rank}: engine thread crashed: {exc!r}"))
+
+    def _settle(self) -> None:
+        """After an idle spell, let a burst of submissions finish arriving (up to one cycle time),
+        so that it is negotiated and fused as one instead of trickling over several cycles."""
+        deadline = time.monotonic() + self.settings.cycle_time_s
+        seen = -1
+        while time.monotonic() < deadline:
+            queued = sum(s.inbox.qsize() for s in self._sets.values())
+            if queued == seen or queued == 0:
+                return
+            seen = queued
+            time.sleep(_SETTLE_S)
+
+    def _has_work(self) -> bool:
+        return self._stop_requested or any(
+            not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting for s in self._sets.values()
+        )
+
+    def _drain(self, state: SetState, now: float) -> None:
+        use_cache = state.cache.enabled and not state.joined
+        while True:
+            try:
+                request = state.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not use_cache or request.signature.kind in (Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET):
+                state.uncached.append(request)
+                continue
+            status, bit = state.cache.lookup(request.name, request.signature)
+            if status is Lookup.HIT:
+                state.by_bit[bit] = request
+            else:
+                if status is Lookup.INVALID:
+                    state.invalid.add(bit)
+                state.uncached.append(request)
+        # A cached request that waits too long is renegotiated by name, so the stall inspector sees it.
+        if self.settings.stall_check and state.by_bit:
+            for bit, request in list(state.by_bit.items()):
+                if now - request.submitted_at > self.settings.stall_warning_s:
+                    state.invalid.add(bit)
+
+    def _cycle(self, state: SetState) -> bool:
+        """One negotiation cycle of one process set; True when the job is shutting down."""
+        now = time.monotonic()
+        self._drain(state, now)
+        cap = state.cache.capacity
+        words = (cap + 63) // 64
+        vec = np.zeros(1 + 2 * words, dtype=np.uint64)
+        flags = 0
+        coordinator_due = (
+            state.coordinator is not None
+            and state.coordinator.has_pending
+            and now - state.last_round > 0.5
+        )
+        if state.uncached or coordinator_due:
+            flags |= _FLAG_UNCACHED
+        if self._stop_requested:
+            flags |= _FLAG_SHUTDOWN
+        vec[0] = ~np.uint64(flags) & _ALL
+        invalid_bits = np.zeros(words * 64, dtype=bool)
+        ready_bits = np.zeros(words * 64, dtype=bool)
+        invalid_bits[list(state.invalid)] = True
+        ready_bits[list(state.by_bit)] = True
+        vec[1 : 1 + words] = ~np.packbits(invalid_bits, bitorder="little").view(np.uint64)
+        vec[1 + words :] = np.packbits(ready_bits, bitorder="little").view(np.uint64)
+        state.comm.allreduce(vec.view(np.int64), ReduceOp.BAND)
+
+        flags_any = int(~vec[0] & _ALL)
+        if flags_any & _FLAG_SHUTDOWN:
+            return True
+        invalid = np.flatnonzero(np.unpackbits((~vec[1 : 1 + words]).view(np.uint8), bitorder="little"))
+        ready = np.flatnonzero(np.unpackbits(vec[1 + words :].view(np.uint8), bitorder="little"))
+        invalid_set = set(int(b) for b in invalid)
+        state.invalid.clear()
+
+        # Cached tensors ready on every member run first, in bit order (the same on every member).
+        items = [
+            Item(state.cache.response(int(b)), state.by_bit.pop(int(b)))
+            for b in ready
+            if int(b) not in invalid_set
+        ]
+        for bit in invalid_set:
+            state.cache.evict_bit(bit)
+            request = state.by_bit.pop(bit, None)
+            if request is not None:
+                state.uncached.append(request)
+        if items:
+            for item in items:
+                state.cache.touch(item.response.name)
+            self._execute(state, items)
+
+        if flags_any & _FLAG_UNCACHED:
+            return self._negotiate(state, now)
+        return False
+
+    def _negotiate(self, state: SetState, now: float) -> bool:
+        sending = state.uncached
+        state.uncached = []
+        for request in sending:
+            state.awaiting[request.name] = request
+        gathered = state.comm.gather_object([(r.name, r.signature) for r in sending], 0)
+        plan = None
+        coordinator = state.coordinator
+        if coordinator is not None:
+            state.last_round = now
+            tl = self.timeline if state.set_id == 0 else None
+            for member, signatures in enumerate(gathered):
+                if tl is not None:
+                    for name, sig in signatures:
+                        if not coordinator.is_pending(name) and sig.kind != Kind.JOIN:
+                            tl.negotiate_start(name, sig.kind.value)
+                        tl.negotiate_rank_ready(name, state.members[member])
+                coordinator.submit(member, signatures, now)
+            responses = coordinator.ready()
+            if tl is not None:
+                for response in responses:
+                    if response.signature.kind != Kind.JOIN:
+                        tl.negotiate_end(response.name, response.signature.kind.value)
+            fatal = None
+            if self.settings.stall_check:
+                report = coordinator.stalls(now, self.settings.stall_warning_s, self.settings.stall_shutdown_s)
+                for warning in report.warnings:
+                    logger.warning("stall: %s", warning)
+                fatal = report.fatal
+            plan = (responses, coordinator.joined, fatal)
+        responses, joined, fatal = state.comm.broadcast_object(plan, 0)
+        state.joined = tuple(joined)
+        if state.joined and state.by_bit:
+            # A joined member sets no cache bits: everything goes by name until all have joined.
+            state.uncached.extend(state.by_bit.values())
+            state.by_bit.clear()
+        if fatal:
+            raise HorovodInternalError(f"rank {self.global_rank}: {fatal}")
+        items = []
+        for response in responses:
+            if response.signature.kind == Kind.JOIN:
+                request = next(
+                    (r for r in list(state.awaiting.values()) if r.signature.kind == Kind.JOIN), None
+                )
+                if request is not None:
+                    state.awaiting.pop(request.name)
+            else:
+                request = state.awaiting.pop(response.name, None)
+            items.append(Item(response, request))
+        if items:
+            self._execute(state, items)
+        return False
+
+    def _execute(self, state: SetState, items: list[Item]) -> None:
+        runnable: list[Item] = []
+        for item in items:
+            if item.response.signature.kind == Kind.PROCESS_SET and item.response.error is None:
+                if runnable:
+                    state.executor.run(runnable)
+                    runnable = []
+                self._apply_process_set(state, item)
+            else:
+                runnable.append(item)
+        if runnable:
+            state.executor.run(runnable)
+
+    def _finished(self, state: SetState, item: Item) -> None:
+        request = item.request
+        if request is None:
+            return
+        if item.response.cacheable and item.response.signature.kind != Kind.PROCESS_SET:
+            evicted = state.cache.put(item.response, request.signature)
+            # A request may still be waiting on the bit the cache just reused: renegotiate it by name.
+            waiting = state.by_bit.get(evicted) if evicted is not None else None
+            if waiting is not None and not state.cache.has_bit(evicted, waiting.name):
+                state.by_bit.pop(evicted)
+                state.uncached.append(waiting)
+        with self._lock:
+            state.in_flight.pop(request.name, None)
+
+    def _apply_process_set(self, state: SetState, item: Item) -> None:
+        sig = item.response.signature
+        if sig.op == "add":
+            members = list(sig.splits)
+            set_id = self._next_set_id
+            self._next_set_id += 1
+            comm = None
+            if self.global_rank in members:
+                comm = self._make_communicator(members.index(self.global_rank), members, f"ps{set_id}")
+            with self._lock:
+                self._add_set(set_id, members, comm)
+            self._finished(state, item)
+            if item.request is not None:
+                item.request.handle.set_result(set_id)
+        else:
+            set_id = sig.root
+            with self._lock:
+                existed = self._known_sets.pop(set_id, None) is not None
+                removed = self._sets.pop(set_id, None)
+            if removed is not None:
+                removed.comm.close()
+            self._finished(state, item)
+            if item.request is not None:
+                item.request.handle.set_result(existed)

@@ -1,0 +1,373 @@
+"""Executes negotiated responses: plan fusion, pack, one transport call, unpack, complete handles.
+
+Every member runs the same plan over the same ordered responses, so fused buffers line up byte for
+byte across ranks. Requests of the same kind, dtype, op and scales are packed into one buffer up to
+the fusion threshold; the members of a grouped collective always travel together.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ml_dtypes  # noqa: F401 - bfloat16
+import numpy as np
+
+from hora.engine.coordinator import Response
+from hora.engine.request import Kind, Request, Signature
+from hora.engine.timeline import Timeline
+from hora.transport.base import Communicator, ReduceOp
+
+logger = logging.getLogger(__name__)
+
+_FUSIBLE = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST)
+
+
+@dataclass
+class Item:
+    """A response paired with this rank's request (None on a rank that has joined)."""
+
+    response: Response
+    request: Request | None
+
+
+@dataclass
+class Bucket:
+    key: tuple
+    items: list[Item] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _fusion_key(response: Response) -> tuple | None:
+    sig = response.signature
+    if response.error is not None or sig.kind not in _FUSIBLE:
+        return None
+    if sig.kind == Kind.ALLREDUCE:
+        return (sig.kind, sig.dtype, sig.op, sig.prescale, sig.postscale, response.joined)
+    if sig.kind == Kind.BROADCAST:
+        return (sig.kind, sig.dtype, sig.root)
+    return (sig.kind, sig.dtype)  # allgather: tensors of any row shape fuse
+
+
+def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
+    """Group items into fused buckets, deterministically (same input order -> same buckets).
+
+    A bucket takes any later item with the same key while it stays within ``threshold`` bytes;
+    a grouped collective's members are placed as one unit whatever their size.
+    """
+    buckets: list[Bucket] = []
+    open_by_key: dict[tuple, Bucket] = {}
+    units: list[list[Item]] = []
+    group_units: dict[str, list[Item]] = {}
+    for item in items:
+        sig = item.response.signature
+        if sig.group and item.response.error is None:
+            unit = group_units.get(sig.group)
+            if unit is None:
+                unit = group_units[sig.group] = []
+                units.append(unit)
+            unit.append(item)
+        else:
+            units.append([item])
+    for unit in units:
+        key = _fusion_key(unit[0].response)
+        size = sum(_item_bytes(i) for i in unit)
+        if key is None:
+            buckets.append(Bucket(("single", len(buckets)), list(unit), size))
+            continue
+        bucket = open_by_key.get(key)
+        if bucket is not None and threshold > 0 and bucket.nbytes + size <= threshold:
+            bucket.items.extend(unit)
+            bucket.nbytes += size
+            continue
+        bucket = Bucket(key, list(unit), size)
+        buckets.append(bucket)
+        if threshold > 0:
+            open_by_key[key] = bucket
+        else:
+            open_by_key.pop(key, None)
+    return buckets
+
+
+def _item_bytes(item: Item) -> int:
+    response = item.response
+    sig = response.signature
+    if sig.kind == Kind.ALLGATHER and response.rows:
+        return sum(response.rows) * sig.row_count * sig.np_dtype.itemsize
+    return sig.nbytes()
+
+
+def _is_average(sig: Signature) -> bool:
+    return sig.op == "average"
+
+
+def _transport_op(sig: Signature) -> ReduceOp:
+    return ReduceOp.SUM if sig.op in ("average", "sum") else ReduceOp(sig.op)
+
+
+def _scale(buf: np.ndarray, factor: float) -> None:
+    """Multiply in place; integers are scaled in float64 and truncated toward zero (Horovod's rule)."""
+    if factor == 1.0 or buf.size == 0:
+        return
+    if buf.dtype.kind in "iub":
+        buf[...] = (buf.astype(np.float64) * factor).astype(buf.dtype)
+    else:
+        np.multiply(buf, buf.dtype.type(factor), out=buf)
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Rows of the first dimension each member receives: the first ``rows % size`` get one extra."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if m < extra else 0) for m in range(size)]
+
+
+class Executor:
+    """Runs buckets on one communicator; ``member`` is this rank's index in it."""
+
+    def __init__(self, comm: Communicator, members: list[int], threshold: int, timeline: Timeline | None) -> None:
+        self.comm = comm
+        self.members = members  # member index -> rank as hora.rank() numbers them
+        self.threshold = threshold
+        self.timeline = timeline
+        self.activity = f"{getattr(comm, 'activity', 'RING')}"
+        self._fusion: dict[str, np.ndarray] = {}
+        #: Called for each item just before its handle completes (the engine's bookkeeping must be
+        #: done by then: a caller may resubmit the same name the moment its handle is done).
+        self.before_complete: Callable[[Item], None] = lambda item: None
+
+    def run(self, items: list[Item]) -> None:
+        for bucket in plan_buckets(items, self.threshold):
+            self._run_bucket(bucket)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        key = np.dtype(dtype).str
+        buf = self._fusion.get(key)
+        if buf is None or buf.size < count:
+            buf = np.empty(max(count, 1), dtype=dtype)
+            self._fusion[key] = buf
+        return buf[:count]
+
+    def _activity(self, items: list[Item], name: str, start: bool) -> None:
+        if self.timeline is None:
+            return
+        for item in items:
+            if start:
+                self.timeline.activity_start(item.response.name, name)
+            else:
+                self.timeline.activity_end(item.response.name, name)
+
+    def _run_bucket(self, bucket: Bucket) -> None:
+        items = bucket.items
+        tl = self.timeline
+        first = items[0].response
+        kind = first.signature.kind
+        if tl is not None:
+            for item in items:
+                tl.start(item.response.name, kind.value)
+        error: str | None = None
+        try:
+            if first.error is not None:
+                error = first.error
+                for item in items:
+                    self.before_complete(item)
+                    if item.request is not None:
+                        item.request.handle.set_error(RuntimeError(item.response.error))
+            elif kind == Kind.ALLREDUCE:
+                self._allreduce(items)
+            elif kind == Kind.ALLGATHER:
+                self._allgather(items)
+            elif kind == Kind.BROADCAST:
+                self._broadcast(items)
+            elif kind == Kind.ALLTOALL:
+                self._alltoall(items[0])
+            elif kind == Kind.REDUCESCATTER:
+                self._reducescatter(items[0])
+            elif kind == Kind.BARRIER:
+                self.comm.barrier()
+                self._complete(items[0], None)
+            elif kind == Kind.JOIN:
+                self._complete(items[0], self._global_rank(first.last_joined))
+        finally:
+            if tl is not None:
+                for item in items:
+                    sig = item.response.signature
+                    tl.end(item.response.name, kind.value, sig.dtype, sig.shape, error)
+
+    def _global_rank(self, member: int) -> int:
+        return self.members[member] if member >= 0 else member
+
+    def _complete(self, item: Item, result: object) -> None:
+        self.before_complete(item)
+        if item.request is not None:
+            item.request.handle.set_result(result)
+
+    # ---- allreduce ----------------------------------------------------------------------------
+
+    def _allreduce(self, items: list[Item]) -> None:
+        sig = items[0].response.signature
+        dtype = sig.np_dtype
+        post = sig.postscale * (1.0 / self.comm.size if _is_average(sig) else 1.0)
+        op = _transport_op(sig)
+        if len(items) == 1:
+            item = items[0]
+            out = self._output_of(item, dtype)
+            if item.request is not None and item.request.buffer is not out:
+                self._activity(items, "MEMCPY_IN_FUSION_BUFFER", True)
+                out[...] = item.request.buffer
+                self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
+            _scale(out, sig.prescale)
+            self._transport(items, lambda: self.comm.allreduce(out.reshape(-1), op))
+            _scale(out, post)
+            self._complete(item, out)
+            return
+        counts = [i.response.signature.count for i in items]
+        fused = self._fusion_buffer(dtype, sum(counts))
+        self._activity(items, "MEMCPY_IN_FUSION_BUFFER", True)
+        offset = 0
+        for item, count in zip(items, counts):
+            part = fused[offset : offset + count]
+            if item.request is None:
+                part[...] = 0
+            else:
+                part[...] = item.request.buffer.reshape(-1)
+            offset += count
+        _scale(fused, sig.prescale)
+        self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
+        self._transport(items, lambda: self.comm.allreduce(fused, op))
+        self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", True)
+        _scale(fused, post)
+        offset = 0
+        for item, count in zip(items, counts):
+            if item.request is not None:
+                out = self._output_of(item, dtype)
+                out.reshape(-1)[...] = fused[offset : offset + count]
+                self._complete(item, out)
+            offset += count
+        self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", False)
+
+    @staticmethod
+    def _output_of(item: Item, dtype: np.dtype) -> np.ndarray:
+        request = item.request
+        if request is None:  # joined rank: contributes zeros, keeps nothing
+            return np.zeros(item.response.signature.shape, dtype=dtype)
+        if request.output is None:
+            request.output = np.empty_like(request.buffer)
+        return request.output
+
+    def _transport(self, items: list[Item], call: Callable[[], None]) -> None:
+        activity = f"{self.activity}_{items[0].response.signature.kind.value}"
+        self._activity(items, activity, True)
+        try:
+            call()
+        finally:
+            self._activity(items, activity, False)
+
+    # ---- allgather ----------------------------------------------------------------------------
+
+    def _allgather(self, items: list[Item]) -> None:
+        dtype = items[0].response.signature.np_dtype
+        size = self.comm.size
+        me = self.comm.rank
+        row_sizes = [i.response.signature.row_count for i in items]
+        # Per member, the fused block is its tensors one after another.
+        block = [sum(i.response.rows[m] * r for i, r in zip(items, row_sizes)) for m in range(size)]
+        send = self._send_block(items, dtype, block[me])
+        recv = np.empty(sum(block), dtype=dtype)
+        self._transport(items, lambda: self.comm.allgather(send, recv, block))
+        self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", True)
+        outputs = [
+            np.empty((sum(i.response.rows),) + tuple(i.response.signature.shape[1:]), dtype=dtype)
+            for i in items
+        ]
+        out_offsets = [0] * len(items)
+        src = 0
+        for m in range(size):
+            for k, (item, row) in enumerate(zip(items, row_sizes)):
+                count = item.response.rows[m] * row
+                flat = outputs[k].reshape(-1)
+                flat[out_offsets[k] : out_offsets[k] + count] = recv[src : src + count]
+                out_offsets[k] += count
+                src += count
+        self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", False)
+        for item, out in zip(items, outputs):
+            self._complete(item, out)
+
+    def _send_block(self, items: list[Item], dtype: np.dtype, count: int) -> np.ndarray:
+        if len(items) == 1:
+            return np.ascontiguousarray(items[0].request.buffer).reshape(-1)
+        self._activity(items, "MEMCPY_IN_FUSION_BUFFER", True)
+        send = np.empty(count, dtype=dtype)
+        offset = 0
+        for item in items:
+            flat = item.request.buffer.reshape(-1)
+            send[offset : offset + flat.size] = flat
+            offset += flat.size
+        self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
+        return send
+
+    # ---- broadcast ----------------------------------------------------------------------------
+
+    def _broadcast(self, items: list[Item]) -> None:
+        sig = items[0].response.signature
+        dtype = sig.np_dtype
+        root = self.members.index(sig.root)
+        outs = []
+        for item in items:
+            out = self._output_of(item, dtype)
+            if self.comm.rank == root and item.request.buffer is not out:
+                out[...] = item.request.buffer
+            outs.append(out)
+        if len(items) == 1:
+            self._transport(items, lambda: self.comm.broadcast(outs[0].reshape(-1), root))
+        else:
+            counts = [o.size for o in outs]
+            fused = self._fusion_buffer(dtype, sum(counts))
+            offset = 0
+            if self.comm.rank == root:
+                for o in outs:
+                    fused[offset : offset + o.size] = o.reshape(-1)
+                    offset += o.size
+            self._transport(items, lambda: self.comm.broadcast(fused, root))
+            offset = 0
+            for o in outs:
+                o.reshape(-1)[...] = fused[offset : offset + o.size]
+                offset += o.size
+        for item, out in zip(items, outs):
+            self._complete(item, out)
+
+    # ---- alltoall and reducescatter ------------------------------------------------------------
+
+    def _alltoall(self, item: Item) -> None:
+        response = item.response
+        sig = response.signature
+        dtype = sig.np_dtype
+        me = self.comm.rank
+        row = sig.row_count
+        send_rows = list(response.splits[me])
+        recv_rows = [response.splits[m][me] for m in range(self.comm.size)]
+        send = np.ascontiguousarray(item.request.buffer).reshape(-1)
+        out = np.empty((sum(recv_rows),) + tuple(item.request.buffer.shape[1:]), dtype=dtype)
+        self._transport(
+            [item],
+            lambda: self.comm.alltoall(
+                send, [r * row for r in send_rows], out.reshape(-1), [r * row for r in recv_rows]
+            ),
+        )
+        self._complete(item, (out, np.asarray(recv_rows, dtype=np.int64)))
+
+    def _reducescatter(self, item: Item) -> None:
+        sig = item.response.signature
+        dtype = sig.np_dtype
+        size = self.comm.size
+        rows = reducescatter_rows(sig.shape[0] if sig.shape else 0, size)
+        row = sig.row_count
+        send = np.array(item.request.buffer, dtype=dtype, copy=True).reshape(-1)
+        _scale(send, sig.prescale)
+        out = np.empty((rows[self.comm.rank],) + tuple(sig.shape[1:]), dtype=dtype)
+        op = _transport_op(sig)
+        self._transport([item], lambda: self.comm.reducescatter(send, out.reshape(-1), [r * row for r in rows], op))
+        _scale(out, sig.postscale * (1.0 / size if _is_average(sig) else 1.0))
+        self._complete(item, out)

@@ -1,0 +1,130 @@
+"""What a binding submits to the engine, and the handle it gets back.
+
+A :class:`Request` carries the local buffer plus a :class:`Signature`: the part every rank must agree
+on (op, dtype, shape rules, root, scales, process set). Only signatures travel to the coordinator;
+buffers never leave the rank except through the transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+
+
+class Kind(str, enum.Enum):
+    ALLREDUCE = "ALLREDUCE"
+    ALLGATHER = "ALLGATHER"
+    BROADCAST = "BROADCAST"
+    ALLTOALL = "ALLTOALL"
+    REDUCESCATTER = "REDUCESCATTER"
+    BARRIER = "BARRIER"
+    JOIN = "JOIN"
+    PROCESS_SET = "PROCESS_SET"  # add/remove a process set: negotiated so every rank acts at the same point
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The facts about a request that must match across ranks (shape per the collective's rules)."""
+
+    kind: Kind
+    dtype: str
+    shape: tuple[int, ...]
+    op: str = "sum"  # a ReduceOp value; "average" is sum plus a postscale of 1/size
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    group: str = ""  # members of a grouped collective share this and travel as one unit
+    group_size: int = 0
+    splits: tuple[int, ...] = ()  # alltoall: elements... rows this rank sends to each member
+
+    @cached_property
+    def count(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @cached_property
+    def row_count(self) -> int:
+        """Elements per index of the first dimension."""
+        return math.prod(self.shape[1:])
+
+    @cached_property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    def nbytes(self) -> int:
+        return self.count * self.np_dtype.itemsize
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The dtype's name (``dtype.name`` is slow enough to matter on the submission path)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = "bfloat16" if dtype == ml_dtypes.bfloat16 else dtype.name
+    return name
+
+
+class Handle:
+    """The future of one request; the binding waits on it (``synchronize``) or polls it."""
+
+    __slots__ = ("name", "_finished", "_gate", "_result", "_error", "__weakref__")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._finished = False
+        # A held lock is the cheapest one-shot signal: released once on completion; each waiter
+        # acquires and re-releases it. (threading.Event costs several times more to create.)
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._gate.release()
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._finish()
+
+    def set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._finish()
+
+    def done(self) -> bool:
+        return self._finished
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The result; raises the request's error (in the caller's thread, as DESIGN.md asks)."""
+        if not self._finished:
+            if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"request {self.name!r} did not complete within {timeout} s")
+            self._gate.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+@dataclass
+class Request:
+    """One tensor's collective on this rank."""
+
+    name: str
+    signature: Signature
+    buffer: np.ndarray | None
+    handle: Handle
+    process_set_id: int = 0
+    output: np.ndarray | None = None  # allreduce/broadcast: where the result goes (may be buffer)
+    submitted_at: float = 0.0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,65 @@
+"""hora's one error hierarchy.
+
+Every error hora raises on purpose derives from :class:`HoraError`, so callers can catch hora's
+failures as a family, while the Horovod names a migrating script already catches
+(``HorovodInternalError``, ``HostsUpdatedInterrupt``) keep Horovod's base classes.
+"""
+
+from __future__ import annotations
+
+
+class HoraError(Exception):
+    """Base of every error hora raises deliberately."""
+
+
+class ConfigError(HoraError, ValueError):
+    """A configuration value (environment variable, flag, hostfile line) is malformed."""
+
+
+class HorovodInternalError(HoraError, RuntimeError):
+    """A collective failed because a peer failed or the job is shutting down.
+
+    Elastic training catches this to restore the last commit and re-form the world.
+    """
+
+
+class HostsUpdatedInterrupt(HoraError, RuntimeError):
+    """The set of hosts changed; elastic training re-forms the world and continues."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
+class RendezvousError(HoraError, RuntimeError):
+    """The rendezvous store could not be reached, refused us, or a key never appeared."""
+
+
+class AuthenticationError(RendezvousError):
+    """A peer did not prove it knows the job secret."""
+
+
+class TransportError(HorovodInternalError):
+    """A collective could not complete: a peer died, hung, or sent something unexpected."""
+
+
+class PeerFailureError(TransportError):
+    """A specific peer rank failed; ``failed_rank`` says which (None when unknown)."""
+
+    def __init__(self, message: str, failed_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+
+
+class LaunchError(HoraError, RuntimeError):
+    """The launcher could not start the job, or a worker failed."""
+
+
+class WorkerFailedError(LaunchError):
+    """A worker exited non-zero or was killed by a signal."""
+
+    def __init__(self, message: str, rank: int, host: str, exit_code: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.exit_code = exit_code

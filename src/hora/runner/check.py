@@ -1,0 +1,84 @@
+"""What ``hora check`` (and ``hora run --check-build``) reports.
+
+The first thing to ask when a job misbehaves is "what is installed, and what is configured?". This
+module answers both as plain lines of text: versions, which transports this install offers, which
+frameworks are importable, and every knob's effective value with where it came from. Framework
+versions are read from package metadata, so the check does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+import sys
+
+import hora
+from hora import config
+from hora.errors import ConfigError
+
+# Registry names in hora.transport and how to present them.
+_TRANSPORT_LABELS = {"tcp": "tcp ring"}
+_FRAMEWORKS = (("torch", "torch"), ("tensorflow", "tensorflow"), ("jax", "jax"),
+               ("mpi4py", "mpi4py"), ("cupy", "cupy"))
+
+
+def _package_version(module: str, distribution: str) -> str | None:
+    """Installed version of a package, or None when it is not importable."""
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "installed (version unknown)"
+
+
+def transport_lines() -> list[str]:
+    """One ``name: yes/no`` line per transport in hora's registry."""
+    try:
+        from hora.transport import TRANSPORTS
+    except Exception as exc:  # noqa: BLE001 - a broken install is exactly what check must show
+        return [f"tcp ring: no (hora.transport does not import: {exc})"]
+    return [f"{_TRANSPORT_LABELS.get(name, name)}: yes" for name in sorted(TRANSPORTS)]
+
+
+def config_lines() -> list[str]:
+    """``name = value`` for every knob, marking those set in the environment (and invalid ones)."""
+    environ = config.environ_copy()
+    lines = []
+    for entry in config.KNOBS:
+        source = ""
+        if config.is_set(entry.name, environ):
+            source = f"  (from {entry.env if entry.env in environ else entry.alias})"
+        try:
+            value = config.get(entry.name, environ)
+        except ConfigError as exc:
+            lines.append(f"{entry.name}: INVALID: {exc}")
+            continue
+        if entry.name == "secret" and value is not None:
+            value = "<set>"  # never print the job secret
+        lines.append(f"{entry.name} = {value!r}{source}")
+    return lines
+
+
+def report_lines() -> list[str]:
+    """The whole report, ready to print."""
+    lines = [
+        f"hora {hora.__version__}",
+        f"Python {platform.python_version()} ({sys.executable})",
+        f"Platform {platform.platform()}",
+    ]
+    numpy_version = _package_version("numpy", "numpy")
+    lines.append(f"numpy {numpy_version or 'not installed (hora needs it)'}")
+    lines.append("")
+    lines.append("Available transports:")
+    lines += ["  " + line for line in transport_lines()]
+    lines.append("")
+    lines.append("Available frameworks:")
+    for module, distribution in _FRAMEWORKS:
+        version = _package_version(module, distribution)
+        lines.append(f"  {module}: {version if version else 'no'}")
+    lines.append("")
+    lines.append("Configuration (HORA_* variables, or the HOROVOD_* aliases):")
+    lines += ["  " + line for line in config_lines()]
+    return lines

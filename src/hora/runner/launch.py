@@ -1,0 +1,271 @@
+"""Supervising a set of local worker processes until the job ends.
+
+The rule (Horovod's): the first worker to fail, by a non-zero exit or a signal, ends the job. The
+supervisor notices at once (a thread per worker blocks in ``wait`` and reports to a queue), sends
+SIGTERM to every other worker's process group, SIGKILL after the grace period, and reports which
+rank failed, where and how. A termination signal to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops
+every worker the same way. Whatever happens, including an exception in the launcher itself, no
+worker or worker child is left running when :func:`run_workers` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from hora.errors import LaunchError
+from hora.runner.output import OutputRouter
+from hora.runner.process import (
+    describe_returncode,
+    exit_status_for,
+    group_alive,
+    signal_group,
+    signal_name,
+    spawn,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often the supervisor checks for a launcher signal while no worker has exited. Worker exits
+# themselves are reported through a queue and are seen immediately.
+_POLL_SECONDS = 0.05
+# After SIGKILL a process is gone within milliseconds unless stuck in the kernel; don't hang on it.
+_AFTER_KILL_SECONDS = 10.0
+_OUTPUT_DRAIN_SECONDS = 5.0
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker to start: its rank, the host it belongs to, its command line and environment."""
+
+    rank: int
+    host: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How a worker ended; ``returncode`` follows Popen (negative: killed by that signal)."""
+
+    rank: int
+    host: str
+    returncode: int
+
+    @property
+    def description(self) -> str:
+        return f"rank {self.rank} on {self.host} {describe_returncode(self.returncode)}"
+
+    @property
+    def exit_status(self) -> int:
+        return exit_status_for(self.returncode)
+
+
+@dataclass
+class JobOutcome:
+    """The end of a job: every worker's return code, the first failure, and what the launcher did."""
+
+    size: int
+    returncodes: dict[int, int | None] = field(default_factory=dict)
+    failure: WorkerExit | None = None
+    stopped: int = 0
+    signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0 on success; the failing worker's status (128+signum for signals); 128+signum if the launcher was signalled."""
+        if self.signal is not None:
+            return 128 + self.signal
+        if self.failure is not None:
+            return self.failure.exit_status
+        return 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def message(self) -> str | None:
+        """One line for the user, or None when every worker succeeded."""
+        if self.signal is not None:
+            return (f"received {signal_name(self.signal)}; stopped "
+                    f"{_count(self.stopped, 'running worker')}")
+        if self.failure is None:
+            return None
+        return self.failure.description + self.stopped_suffix()
+
+    def stopped_suffix(self) -> str:
+        """``; stopped the other 3 workers`` (empty when no other worker was still running)."""
+        if self.stopped == 1:
+            return "; stopped the other worker"
+        if self.stopped > 1:
+            return f"; stopped the other {self.stopped} workers"
+        return ""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+class _SignalTrap:
+    """Records SIGINT/SIGTERM/SIGHUP instead of dying, so the supervisor can stop workers first.
+
+    The handler only stores the signal (no locks: it may run at any bytecode of the main thread);
+    the supervision loop polls it. A second signal (Ctrl-C pressed again) means "don't wait for the
+    grace period": the supervisor then goes straight to SIGKILL.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received: int | None = None
+        self.impatient = False
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+        else:
+            self.impatient = True
+
+    def __enter__(self) -> "_SignalTrap":
+        if self.enabled:
+            for name in _STOP_SIGNALS:
+                signum = getattr(signal, name, None)
+                if signum is not None:
+                    self._previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)  # type: ignore[arg-type]
+
+
+class _Supervisor:
+    def __init__(self, specs: Sequence[WorkerSpec], router: OutputRouter, kill_grace: float,
+                 trap: _SignalTrap) -> None:
+        self.specs = list(specs)
+        self.hosts = {spec.rank: spec.host for spec in self.specs}
+        self.trap = trap
+        self.router = router
+        self.kill_grace = kill_grace
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.running: set[int] = set()
+        self.outcome = JobOutcome(size=len(self.specs))
+
+    def start_all(self) -> None:
+        for spec in self.specs:
+            files = self.router.prepare_files(spec.rank)
+            try:
+                proc = spawn(spec.argv, spec.env)
+            except OSError as exc:
+                for handle in files.values():
+                    handle.close()
+                reason = exc.strerror or str(exc)
+                raise LaunchError(
+                    f"cannot start rank {spec.rank} on {spec.host}: {reason}: {spec.argv[0]!r}"
+                ) from None
+            logger.info("started rank %d on %s (pid %d): %s", spec.rank, spec.host, proc.pid,
+                        " ".join(spec.argv))
+            self.procs[spec.rank] = proc
+            self.running.add(spec.rank)
+            self.outcome.returncodes[spec.rank] = None
+            self.router.attach(spec.rank, proc.stdout, proc.stderr, files)
+            threading.Thread(target=self._wait_for, args=(spec.rank, proc),
+                             name=f"hora-wait-{spec.rank}", daemon=True).start()
+
+    def _wait_for(self, rank: int, proc: subprocess.Popen) -> None:
+        self.exits.put((rank, proc.wait()))
+
+    def _record(self, rank: int, returncode: int) -> None:
+        self.running.discard(rank)
+        self.outcome.returncodes[rank] = returncode
+        logger.info("rank %d %s", rank, describe_returncode(returncode))
+
+    def supervise(self) -> None:
+        """Block until every worker succeeded, one failed, or the launcher was signalled."""
+        trap = self.trap
+        while self.running:
+            if trap.received is not None:
+                self.outcome.signal = trap.received
+                logger.info("launcher received %s", signal_name(trap.received))
+                return
+            try:
+                rank, returncode = self.exits.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            self._record(rank, returncode)
+            if returncode != 0:
+                self.outcome.failure = WorkerExit(rank, self.hosts[rank], returncode)
+                return
+
+    def _drain_exits(self, deadline: float, patient: bool = True) -> None:
+        while self.running:
+            if patient and self.trap.impatient:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                rank, returncode = self.exits.get(timeout=min(remaining, _POLL_SECONDS))
+            except queue.Empty:
+                continue
+            self._record(rank, returncode)
+
+    def stop_all(self) -> None:
+        """TERM every process group that still has members, KILL what survives the grace period."""
+        self.outcome.stopped = len(self.running)
+        groups = [proc.pid for proc in self.procs.values()]  # each worker leads its own group
+        running_groups = {self.procs[rank].pid for rank in self.running}
+        for pgid in groups:
+            # A finished worker's group may still hold its children: stop those too.
+            if pgid in running_groups or group_alive(pgid):
+                signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.kill_grace
+        self._drain_exits(deadline)
+        while (time.monotonic() < deadline and not self.trap.impatient
+               and any(group_alive(pgid) for pgid in groups)):
+            time.sleep(_POLL_SECONDS)  # grandchildren are not our children: poll, bounded by grace
+        for pgid in groups:
+            if group_alive(pgid):
+                logger.info("process group %d survived SIGTERM for %.1f s; sending SIGKILL",
+                            pgid, self.kill_grace)
+                signal_group(pgid, signal.SIGKILL)
+        self._drain_exits(time.monotonic() + _AFTER_KILL_SECONDS, patient=False)
+        for rank in sorted(self.running):
+            logger.warning("rank %d (pid %d) did not exit even after SIGKILL",
+                           rank, self.procs[rank].pid)
+
+
+def run_workers(
+    specs: Sequence[WorkerSpec],
+    router: OutputRouter | None = None,
+    kill_grace: float = 5.0,
+    handle_signals: bool = False,
+) -> JobOutcome:
+    """Start ``specs``, forward their output, and supervise them until the job ends.
+
+    Returns the :class:`JobOutcome`; raises :class:`LaunchError` if a worker cannot be started
+    (after stopping those already started). With ``handle_signals`` (main thread only), SIGINT,
+    SIGTERM and SIGHUP to this process stop the workers and are reported in the outcome instead of
+    killing the launcher outright.
+    """
+    router = router or OutputRouter(size=len(specs))
+    with _SignalTrap(handle_signals) as trap:
+        supervisor = _Supervisor(specs, router, kill_grace, trap)
+        try:
+            supervisor.start_all()
+            supervisor.supervise()
+        finally:
+            supervisor.stop_all()
+            if not router.join(_OUTPUT_DRAIN_SECONDS):
+                logger.warning("some worker output pipes were still open after %.0f s; "
+                               "a worker's child may have escaped its process group",
+                               _OUTPUT_DRAIN_SECONDS)
+    return supervisor.outcome

@@ -1,0 +1,134 @@
+"""Forwarding workers' output to the launcher, one whole line at a time.
+
+Every worker's stdout and stderr are pipes read by a thread each. A complete line is written to the
+launcher's stream with Horovod's prefix (``[3]<stdout>:``) and flushed under one lock shared by all
+ranks and both streams, so lines from different ranks never interleave mid-line. Bytes are decoded
+with ``errors="replace"``: a worker printing binary garbage cannot crash the launcher. With an output
+directory, each rank's raw bytes also go to ``DIR/rank.<N>/stdout`` and ``DIR/rank.<N>/stderr``
+(Horovod's layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import BinaryIO, TextIO
+
+logger = logging.getLogger(__name__)
+
+# A line longer than this is forwarded in pieces, each on its own prefixed line, so a worker that
+# writes megabytes without a newline cannot make the launcher buffer all of it.
+MAX_LINE_BYTES = 64 * 1024
+
+
+def rank_directory_name(rank: int, size: int) -> str:
+    """``rank.<N>``, zero-padded to the width of the largest rank as Horovod does (rank.07 of 12)."""
+    width = len(str(max(size - 1, 0)))
+    return f"rank.{rank:0{width}d}"
+
+
+class OutputRouter:
+    """Copies prefixed worker lines onto the launcher's stdout/stderr (and optional files)."""
+
+    def __init__(
+        self,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        output_dir: str | None = None,
+        size: int = 1,
+    ) -> None:
+        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._broken: set[str] = set()
+        self._output_dir = output_dir
+        self._size = size
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def _target(self, kind: str) -> TextIO:
+        stream = self._streams[kind]
+        if stream is not None:
+            return stream
+        return sys.stdout if kind == "stdout" else sys.stderr
+
+    def prepare_files(self, rank: int) -> dict[str, BinaryIO]:
+        """Create ``DIR/rank.<N>/`` and open its stdout/stderr files (empty when no directory)."""
+        if not self._output_dir:
+            return {}
+        directory = os.path.join(self._output_dir, rank_directory_name(rank, self._size))
+        os.makedirs(directory, exist_ok=True)
+        return {kind: open(os.path.join(directory, kind), "wb") for kind in ("stdout", "stderr")}
+
+    def attach(self, rank: int, stdout_pipe: BinaryIO | None, stderr_pipe: BinaryIO | None,
+               files: dict[str, BinaryIO] | None = None) -> None:
+        """Start forwarding one worker's pipes; the threads end at end of file."""
+        files = files or {}
+        for kind, pipe in (("stdout", stdout_pipe), ("stderr", stderr_pipe)):
+            if pipe is None:
+                continue
+            thread = threading.Thread(
+                target=self._pump, args=(rank, kind, pipe, files.get(kind)),
+                name=f"hora-output-{rank}-{kind}", daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def join(self, timeout: float) -> bool:
+        """Wait for every pipe to reach end of file; False if some are still open after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def _pump(self, rank: int, kind: str, pipe: BinaryIO, raw_file: BinaryIO | None) -> None:
+        prefix = f"[{rank}]<{kind}>:"
+        try:
+            while True:
+                chunk = pipe.readline(MAX_LINE_BYTES)
+                if not chunk:
+                    break
+                if raw_file is not None:
+                    self._write_raw(raw_file, chunk)
+                text = chunk.decode("utf-8", errors="replace")
+                if not text.endswith("\n"):
+                    text += "\n"  # a final partial line (or a piece of a huge one) still ends a line
+                self._emit(kind, prefix + text)
+        except (OSError, ValueError) as exc:  # pipe closed under us during shutdown
+            logger.debug("output of rank %d (%s) ended: %s", rank, kind, exc)
+        finally:
+            if raw_file is not None:
+                try:
+                    raw_file.close()
+                except OSError:
+                    pass
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    @staticmethod
+    def _write_raw(raw_file: BinaryIO, chunk: bytes) -> None:
+        try:
+            raw_file.write(chunk)
+            raw_file.flush()
+        except OSError as exc:
+            logger.warning("cannot write worker output to %s: %s", getattr(raw_file, "name", "?"), exc)
+
+    def _emit(self, kind: str, line: str) -> None:
+        if kind in self._broken:
+            return  # keep draining the pipe so the worker never blocks on a full buffer
+        stream = self._target(kind)
+        with self._lock:
+            try:
+                try:
+                    stream.write(line)
+                except UnicodeEncodeError:
+                    encoding = getattr(stream, "encoding", None) or "ascii"
+                    stream.write(line.encode(encoding, errors="replace").decode(encoding))
+                stream.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                # The launcher's own stdout went away (e.g. piped into `head`): stop echoing there.
+                self._broken.add(kind)
+                logger.debug("launcher %s is gone (%s); dropping further worker %s", kind, exc, kind)

@@ -1,0 +1,52 @@
+"""Collectives on contiguous buffers between a fixed set of processes.
+
+``TRANSPORTS`` is the registry: a new transport is a module with a :class:`Communicator` subclass and
+one line here (and is then picked up by the conformance suite in tests/transport/).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from hora.transport.base import (
+    SUPPORTED_DTYPES,
+    Communicator,
+    ReduceOp,
+    TransportUnavailable,
+)
+from hora.transport.tcp import TcpCommunicator
+from hora.rendezvous.client import RendezvousClient
+
+TRANSPORTS: dict[str, Callable[..., Communicator]] = {
+    "tcp": TcpCommunicator,
+}
+
+
+def create_communicator(
+    name: str,
+    rank: int,
+    members: Sequence[int],
+    store: RendezvousClient,
+    scope: str,
+    secret: str | bytes,
+    **options: object,
+) -> Communicator:
+    """Build the named transport's communicator; every member must call this with the same scope."""
+    try:
+        factory = TRANSPORTS[name]
+    except KeyError:
+        raise TransportUnavailable(
+            f"unknown transport {name!r}; available: {', '.join(sorted(TRANSPORTS))}"
+        ) from None
+    return factory(rank, members, store, scope, secret, **options)
+
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "TRANSPORTS",
+    "Communicator",
+    "ReduceOp",
+    "TcpCommunicator",
+    "TransportUnavailable",
+    "create_communicator",
+]

@@ -1,0 +1,149 @@
+"""The transport interface: collectives on contiguous buffers among a fixed set of processes.
+
+A transport decides *how* bytes move and are combined, never *what* is reduced: the engine above
+hands it flat NumPy arrays and a reduce op. Every implementation passes the same conformance suite
+(tests/transport/), so the contract below is what the engine may rely on.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from hora.errors import HoraError
+
+
+class ReduceOp(enum.Enum):
+    """Element-wise combination of buffers; Average is the engine's business (Sum, then scale)."""
+
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+    BAND = "band"  # bitwise and: the engine's response-cache bit vectors
+    BOR = "bor"
+
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t)
+    for t in (
+        np.uint8,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.float16,
+        ml_dtypes.bfloat16,
+        np.float32,
+        np.float64,
+        np.bool_,
+    )
+)
+
+
+def check_buffer(buf: np.ndarray, what: str = "buffer") -> None:
+    """Reject buffers a transport cannot move without a hidden copy or a silent reinterpretation."""
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, got {type(buf).__name__}")
+    if buf.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{what} has dtype {buf.dtype}, which hora transports do not support; "
+            f"supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (call numpy.ascontiguousarray first)")
+
+
+def check_counts(counts: Sequence[int], size: int, what: str) -> list[int]:
+    values = [int(c) for c in counts]
+    if len(values) != size:
+        raise ValueError(f"{what} must have one entry per rank ({size}), got {len(values)}")
+    if any(c < 0 for c in values):
+        raise ValueError(f"{what} must be non-negative, got {values}")
+    return values
+
+
+class Communicator(abc.ABC):
+    """Collectives among ``size`` processes; this process is ``rank``.
+
+    Buffers are contiguous 1-D-or-any-shape NumPy arrays treated as flat element sequences. Calls are
+    collective: every member calls the same operation in the same order. Calls on one communicator
+    must not overlap (the engine serialises them). A failed peer makes every call raise
+    :class:`hora.errors.TransportError` within the transport timeout instead of hanging.
+    """
+
+    #: Registry name, e.g. "tcp".
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def allreduce(self, buf: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
+        """Combine ``buf`` element-wise across ranks, in place, on every rank."""
+
+    @abc.abstractmethod
+    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        """Concatenate every rank's ``send`` (``counts[r]`` elements from rank r) into ``recv``."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
+
+    @abc.abstractmethod
+    def alltoall(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> None:
+        """Send ``send_counts[j]`` consecutive elements to rank j; receive ``recv_counts[j]`` from j.
+
+        Both buffers are laid out in rank order.
+        """
+
+    @abc.abstractmethod
+    def reducescatter(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], op: ReduceOp = ReduceOp.SUM
+    ) -> None:
+        """Reduce ``send`` across ranks and leave block r (``counts[r]`` elements) in rank r's ``recv``."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return only once every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Collect a small picklable object from every rank at ``root`` (None elsewhere)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s small picklable object, on every rank."""
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's small picklable object, in rank order, on every rank."""
+        return self.broadcast_object(self.gather_object(obj, 0), 0)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets and threads; later calls raise."""
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TransportUnavailable(HoraError):
+    """The requested transport cannot run here (library missing, no device, ...)."""

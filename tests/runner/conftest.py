@@ -1,0 +1,71 @@
+"""Helpers for runner tests: run the real `hora` CLI in a subprocess and inspect processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import pytest
+
+HORA = [sys.executable, "-m", "hora"]
+
+
+def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment without any hora identity/knob variables leaking in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def hora_run() -> Callable[..., subprocess.CompletedProcess]:
+    """Run `python -m hora <args>` to completion; returns the CompletedProcess (text output)."""
+
+    def run(*args: str, timeout: float = 30, env: dict[str, str] | None = None,
+            cwd: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([*HORA, *args], capture_output=True, text=True, timeout=timeout,
+                              env=_clean_env(env), cwd=cwd)
+
+    return run
+
+
+@pytest.fixture
+def hora_popen(request: pytest.FixtureRequest) -> Callable[..., subprocess.Popen]:
+    """Start `python -m hora <args>` in the background; killed at teardown if still running."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen([*HORA, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=_clean_env(env))
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting to be reaped counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    state = stat[stat.rfind(b")") + 2 :].split()[0]
+    return state not in (b"Z", b"X")
+
+
+@pytest.fixture
+def is_alive() -> Callable[[int], bool]:
+    return pid_alive

@@ -1,0 +1,109 @@
+"""hora.run: functions run on real workers through the runner API."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import hora
+from hora.errors import HoraError, WorkerFailedError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def whoami(offset, scale=1):
+    return (int(os.environ["HORA_RANK"]) + offset) * scale, int(os.environ["HORA_SIZE"])
+
+
+def fail_on_rank_1():
+    if os.environ["HORA_RANK"] == "1":
+        raise ValueError("bad value on rank 1")
+    time.sleep(60)
+
+
+def exit_on_rank_0():
+    if os.environ["HORA_RANK"] == "0":
+        os._exit(3)
+    time.sleep(60)
+
+
+class Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("this exception refuses to be pickled")
+
+
+def raise_unpicklable():
+    raise Unpicklable("cannot travel")
+
+
+def talk():
+    rank = os.environ["HORA_RANK"]
+    print(f"hello from {rank}")
+    return rank
+
+
+def test_results_in_rank_order_world_size_3():
+    assert hora.run(whoami, args=(10,), kwargs={"scale": 2}, np=3) == [(20, 3), (22, 3), (24, 3)]
+
+
+def test_closure_is_shipped_by_value_world_size_2():
+    base = 40
+    assert hora.run(lambda: base + int(os.environ["HORA_RANK"]), np=2) == [40, 41]
+
+
+def test_worker_valueerror_is_reraised_with_rank_world_size_3():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="bad value on rank 1") as info:
+        hora.run(fail_on_rank_1, np=3)
+    assert time.monotonic() - start < 10  # the sleeping ranks were stopped
+    exc = info.value
+    assert type(exc) is ValueError
+    assert exc.hora_rank == 1
+    assert "fail_on_rank_1" in exc.hora_remote_traceback
+    notes = "\n".join(getattr(exc, "__notes__", []))
+    assert "rank 1 of 3" in notes and 'raise ValueError("bad value on rank 1")' in notes
+    assert exc.__cause__ is None and exc.__suppress_context__
+
+
+def test_worker_os_exit_raises_worker_failed_world_size_2():
+    with pytest.raises(WorkerFailedError) as info:
+        hora.run(exit_on_rank_0, np=2)
+    exc = info.value
+    assert exc.rank == 0 and exc.host == "localhost" and exc.exit_code == 3
+    assert "rank 0 on localhost exited with status 3" in str(exc)
+
+
+def test_unpicklable_exception_becomes_hora_error_world_size_1():
+    with pytest.raises(HoraError) as info:
+        hora.run(raise_unpicklable, np=1)
+    exc = info.value
+    assert type(exc) is HoraError
+    assert "Unpicklable('cannot travel')" in str(exc) and "raise_unpicklable" in str(exc)
+    assert exc.hora_rank == 0
+
+
+def test_worker_output_is_prefixed_and_files_written_world_size_2(capsys, tmp_path):
+    assert hora.run(talk, np=2, output_filename=str(tmp_path / "out")) == ["0", "1"]
+    out = capsys.readouterr().out
+    assert "[0]<stdout>:hello from 0\n" in out and "[1]<stdout>:hello from 1\n" in out
+    assert (tmp_path / "out" / "rank.1" / "stdout").read_text() == "hello from 1\n"
+
+
+def test_env_and_start_timeout_reach_workers_world_size_2():
+    def read_env():
+        return os.environ["MY_SETTING"], os.environ["HORA_START_TIMEOUT"], os.environ["HOROVOD_SIZE"]
+
+    assert hora.run(read_env, np=2, env={"MY_SETTING": "on"}, start_timeout=7) == [("on", "7", "2")] * 2
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError):
+        hora.run(print, np=1, no_such_option=True)
+    with pytest.raises(TypeError, match="callable"):
+        hora.run(42, np=1)
+    with pytest.raises(HoraError, match="larger than"):
+        hora.run(print, np=3, hosts="localhost:2")
+    with pytest.raises(HoraError, match="not supported yet"):
+        hora.run(print, np=2, hosts="192.0.2.1:2")
