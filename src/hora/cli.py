@@ -112,6 +112,11 @@ def run_main(argv: Sequence[str]) -> int:
                        output_dir=args.output_filename)
     except (ConfigError, LaunchError) as exc:
         parser.error(str(exc))
+    if args.ssh_port is not None or args.ssh_identity_file is not None:
+        logger.info("-p/-i (SSH options) are not needed: every rank of this job runs on this host")
+    if args.network_interfaces:
+        logger.warning("--network-interfaces is accepted but not applied yet; workers use "
+                       "HORA_IFACE or the host's default address")
     for slot in job.slots:
         logger.info("rank %d on %s: local rank %d of %d, cross rank %d of %d", slot.rank,
                     slot.hostname, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -32,7 +32,7 @@ def hora_run() -> Callable[..., subprocess.CompletedProcess]:
 
 
 @pytest.fixture
-def hora_popen(request: pytest.FixtureRequest) -> Callable[..., subprocess.Popen]:
+def hora_popen() -> Iterator[Callable[..., subprocess.Popen]]:
     """Start `python -m hora <args>` in the background; killed at teardown if still running."""
     started: list[subprocess.Popen] = []
 

@@ -155,11 +155,14 @@ def test_second_ctrl_c_skips_the_grace_period_world_size_2(hora_popen, tmp_path)
         print("ready", flush=True)
         time.sleep(60)
     """)
-    launcher = hora_popen("run", "-np", "2", PY, script, env={"HORA_KILL_GRACE": "30"})
+    launcher = hora_popen("run", "-np", "2", "--verbose", PY, script, env={"HORA_KILL_GRACE": "30"})
     for _ in range(2):
         assert launcher.stdout.readline().endswith("ready\n")
     start = time.monotonic()
     launcher.send_signal(signal.SIGINT)
+    # Signals sent back to back merge into one: wait until the launcher has seen the first.
+    while "launcher received SIGINT" not in (line := launcher.stderr.readline()):
+        assert line, "launcher ended without reporting the signal"
     launcher.send_signal(signal.SIGINT)
     launcher.communicate(timeout=20)
     assert time.monotonic() - start < 10

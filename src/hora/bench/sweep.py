@@ -35,10 +35,10 @@ GiB = 1024 * MiB
 
 # Big sizes run fewer iterations: each size moves about this many bytes per rank, at least
 # MIN_ITERS calls, so a default 4 B .. 64 MiB sweep stays around a minute on 2 ranks.
-DEFAULT_BUDGET_BYTES = 192 * MiB
-MIN_ITERS = 3
-DEFAULT_ITERS = 50
-DEFAULT_WARMUP = 5
+DEFAULT_BUDGET_BYTES = 1 * GiB
+MIN_ITERS = 5
+DEFAULT_ITERS = 100
+DEFAULT_WARMUP = 10
 
 
 def bus_factor(op: str, size: int) -> float:

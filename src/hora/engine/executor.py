@@ -137,7 +137,13 @@ class Executor:
         self.before_complete: Callable[[Item], None] = lambda item: None
 
     def run(self, items: list[Item]) -> None:
+        tl = self.timeline
+        if tl is not None:  # every op opens now and queues until its bucket's turn
+            for item in items:
+                tl.start(item.response.name, item.response.signature.kind.value)
+                tl.activity_start(item.response.name, "QUEUE")
         for bucket in plan_buckets(items, self.threshold):
+            self._activity(bucket.items, "QUEUE", False)
             self._run_bucket(bucket)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -164,9 +170,6 @@ class Executor:
         tl = self.timeline
         first = items[0].response
         kind = first.signature.kind
-        if tl is not None:
-            for item in items:
-                tl.start(item.response.name, kind.value)
         error: str | None = None
         try:
             if first.error is not None:

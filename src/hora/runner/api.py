@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import cloudpickle
 
 from hora import config
-from hora.errors import HoraError, WorkerFailedError
+from hora.errors import ConfigError, HoraError, WorkerFailedError
 from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
 from hora.runner.job import LocalJob
 from hora.runner.launch import JobOutcome
@@ -57,7 +57,7 @@ def run(
     if not callable(func):
         raise TypeError(f"hora.run needs a callable, got {type(func).__name__}")
     if hosts is not None and hostfile is not None:
-        raise ValueError("give hosts or hostfile, not both")
+        raise ConfigError("hora.run: give hosts or hostfile, not both")
     host_list = (
         parse_hosts(hosts) if hosts is not None
         else parse_hostfile(hostfile) if hostfile is not None
@@ -76,12 +76,12 @@ def run(
             job.store.set(FUNC_KEY, payload)
             outcome = job.run(handle_signals=False)
             blobs = {slot.rank: job.store.try_get(result_key(slot.rank)) for slot in job.slots}
-    return _collect(outcome, blobs)
+            hosts = {slot.rank: slot.hostname for slot in job.slots}
+    return _collect(outcome, blobs, hosts)
 
 
-def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None]) -> list[Any]:
-    if outcome.signal is not None:  # only with handle_signals; kept for completeness
-        raise HoraError(f"hora.run: {outcome.message()}")
+def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapping[int, str]) -> list[Any]:
+    """Each rank's result, or the exception that stands for the job's first failure."""
     if outcome.failure is not None:
         failure = outcome.failure
         blob = blobs.get(failure.rank)
@@ -99,15 +99,15 @@ def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None]) -> list[Any
         if blob is None:
             raise WorkerFailedError(
                 f"rank {rank} exited with status 0 without returning a result "
-                "(did the function call os._exit?)", rank, "localhost", 0,
+                "(did the function call os._exit?)", rank, hosts[rank], 0,
             )
         try:
             decoded = cloudpickle.loads(blob)
         except Exception as exc:  # noqa: BLE001 - e.g. a class that exists only in the worker
             raise HoraError(f"the result of rank {rank} cannot be unpickled here: {exc!r}; "
                             "return types importable in the calling process") from None
-        if decoded[0] == "error":  # cannot happen: a worker that stored an error exits 1
-            _raise_remote(rank, "localhost", outcome.size, *decoded[1:])
+        if decoded[0] == "error":  # a worker that stored an error exits 1; never return it as a value
+            _raise_remote(rank, hosts[rank], outcome.size, *decoded[1:])
         results.append(decoded[1])
     return results
 

@@ -12,19 +12,15 @@ from typing import Mapping
 
 from hora import config
 from hora.errors import ConfigError, HoraError
+from hora.runner.hosts import SlotInfo
 
 
 @dataclass(frozen=True)
-class WorkerIdentity:
-    """A worker's place in the job and how to reach the job's rendezvous store."""
+class WorkerIdentity(SlotInfo):
+    """A worker's place in the job (the launcher's :class:`SlotInfo` for it) and how to reach the
+    job's rendezvous store: rank, size, local_rank, local_size, cross_rank, cross_size, hostname,
+    rendezvous_addr, rendezvous_port, secret, job_id."""
 
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
     rendezvous_addr: str
     rendezvous_port: int
     secret: str

@@ -143,7 +143,8 @@ class _SignalTrap:
 
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)  # type: ignore[arg-type]
+            # None means the previous handler was installed outside Python: restore the default.
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
 
 
 class _Supervisor:

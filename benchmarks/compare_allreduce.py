@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""float32 allreduce, side by side: hora (TCP ring), torch.distributed over Gloo, and MPI (mpi4py).
+
+All three run the same size sweep with the same iteration plan (hora.bench's: ``--iters`` calls for
+small messages, fewer for big ones), the same timing rule (warm-up, barrier, mean per call over the
+timed loop, slowest rank wins) and the same world size. The machine is shared and noisy, so the
+libraries take turns, round after round (hora, gloo, mpi, hora, gloo, mpi, ...), and each keeps its
+best time per size.
+
+    python benchmarks/compare_allreduce.py                      # 4 B .. 64 MiB, x4 steps, 3 rounds
+    python benchmarks/compare_allreduce.py --sizes 4,64K,16M --rounds 5 --json
+
+Ratios: ``busbw hora/X`` above 1 means hora moves data faster; ``lat hora/X`` above 1 means hora
+takes longer per call. A library that is not installed is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+DEFAULT_SIZES = tuple(4 * 4**k for k in range(13))  # 4 B .. 64 MiB
+RESULT_TAG = "COMPARE_ALLREDUCE_RESULT "
+LIBRARIES = ("hora", "gloo", "mpi")
+
+
+def _plan(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
+    from hora.bench.sweep import iteration_plan
+
+    return iteration_plan(nbytes, iters, warmup)
+
+
+def _count(nbytes: int) -> int:
+    return max(1, nbytes // 4)
+
+
+# ---- hora -----------------------------------------------------------------------------------------
+
+
+def hora_worker(sizes: list[int], iters: int, warmup: int) -> dict[int, float] | None:
+    """One rank: the slowest rank's mean seconds per allreduce, by size (rank 0 only)."""
+    from hora.bench.sweep import BenchSpec, bench_worker
+
+    rows = bench_worker(BenchSpec(sizes=tuple(sizes), ops=("allreduce",), dtype="float32",
+                                  iters=iters, warmup=warmup, transport="tcp"))
+    return None if rows is None else {row["size"]: row["time_us"] * 1e-6 for row in rows}
+
+
+def run_hora(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float]:
+    import hora
+
+    return hora.run(hora_worker, args=(sizes, iters, warmup), np=np_)[0]
+
+
+# ---- torch.distributed / Gloo ---------------------------------------------------------------------
+
+
+def gloo_worker(sizes: list[int], iters: int, warmup: int, port: int) -> dict[int, float] | None:
+    """One rank of the Gloo run; identity comes from the hora launcher's environment."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hora import config
+
+    rank, size = config.get("rank"), config.get("size")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=120))
+    try:
+        out: dict[int, float] = {}
+        for nbytes in sizes:
+            iters_n, warmup_n = _plan(nbytes, iters, warmup)
+            buf = torch.zeros(_count(nbytes), dtype=torch.float32)
+            for _ in range(warmup_n):
+                dist.all_reduce(buf)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters_n):
+                dist.all_reduce(buf)
+            mean = torch.tensor([(time.perf_counter() - start) / iters_n], dtype=torch.float64)
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+            out[nbytes] = float(mean.item())
+        return out if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_gloo(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float]:
+    import hora
+
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    return hora.run(gloo_worker, args=(sizes, iters, warmup, _free_port()), np=np_, env=env)[0]
+
+
+# ---- MPI ------------------------------------------------------------------------------------------
+
+
+def mpi_worker_main(sizes: list[int], iters: int, warmup: int) -> int:
+    """Body of each ``mpirun`` rank; rank 0 prints the result line."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out: dict[int, float] = {}
+    for nbytes in sizes:
+        iters_n, warmup_n = _plan(nbytes, iters, warmup)
+        buf = np.zeros(_count(nbytes), dtype=np.float32)
+        for _ in range(warmup_n):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters_n):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        out[nbytes] = comm.allreduce((time.perf_counter() - start) / iters_n, op=MPI.MAX)
+    if comm.rank == 0:
+        print(RESULT_TAG + json.dumps(out), flush=True)
+    return 0
+
+
+def run_mpi(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float]:
+    mpirun = shutil.which("mpirun")
+    command = [
+        mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
+        sys.executable, os.path.abspath(__file__), "--mpi-worker",
+        "--sizes", ",".join(str(s) for s in sizes), "--iters", str(iters), "--warmup", str(warmup),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return {int(k): float(v) for k, v in json.loads(line[len(RESULT_TAG):]).items()}
+    raise RuntimeError(f"mpirun exited {proc.returncode} without a result: {(proc.stderr or proc.stdout)[-1500:]}")
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+
+
+def available(note: Callable[[str], None]) -> dict[str, Callable[..., dict[int, float]]]:
+    runners: dict[str, Callable[..., dict[int, float]]] = {"hora": run_hora}
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_gloo_available():
+            runners["gloo"] = run_gloo
+        else:
+            note("skipping gloo: this torch build has no Gloo backend")
+    except ImportError:
+        note("skipping gloo: torch is not installed (pip install torch)")
+    try:
+        import mpi4py  # noqa: F401
+
+        if shutil.which("mpirun"):
+            runners["mpi"] = run_mpi
+        else:
+            note("skipping mpi: mpirun is not on PATH (install Open MPI or MPICH)")
+    except ImportError:
+        note("skipping mpi: mpi4py is not installed (pip install mpi4py)")
+    return runners
+
+
+def bus_bandwidth(nbytes: int, seconds: float | None, np_: int) -> float | None:
+    """GB/s, nccl-tests' allreduce bus bandwidth: size / time x 2(n-1)/n."""
+    if seconds is None or seconds <= 0:
+        return None
+    return nbytes / seconds / 1e9 * 2 * (np_ - 1) / np_
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def build_rows(sizes: list[int], best: dict[str, dict[int, float]], np_: int) -> list[dict[str, Any]]:
+    rows = []
+    for nbytes in sizes:
+        row: dict[str, Any] = {"size": _count(nbytes) * 4, "count": _count(nbytes), "np": np_}
+        for lib in LIBRARIES:
+            seconds = best.get(lib, {}).get(nbytes)
+            row[f"{lib}_us"] = None if seconds is None else seconds * 1e6
+            row[f"{lib}_busbw"] = bus_bandwidth(_count(nbytes) * 4, seconds, np_)
+        for other in ("gloo", "mpi"):
+            row[f"busbw_hora/{other}"] = _ratio(row["hora_busbw"], row[f"{other}_busbw"])
+            row[f"lat_hora/{other}"] = _ratio(row["hora_us"], row[f"{other}_us"])
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], np_: int, rounds: int) -> str:
+    columns = [
+        ("size(B)", "size", "{:d}", 11),
+        ("hora(us)", "hora_us", "{:.1f}", 10), ("gloo(us)", "gloo_us", "{:.1f}", 10), ("mpi(us)", "mpi_us", "{:.1f}", 10),
+        ("hora GB/s", "hora_busbw", "{:.3f}", 10), ("gloo GB/s", "gloo_busbw", "{:.3f}", 10), ("mpi GB/s", "mpi_busbw", "{:.3f}", 10),
+        ("bw h/gloo", "busbw_hora/gloo", "{:.2f}", 10), ("bw h/mpi", "busbw_hora/mpi", "{:.2f}", 9),
+        ("lat h/gloo", "lat_hora/gloo", "{:.2f}", 11), ("lat h/mpi", "lat_hora/mpi", "{:.2f}", 10),
+    ]
+    lines = [
+        f"# float32 allreduce, {np_} ranks, best of {rounds} interleaved round(s); time = slowest rank's mean per call",
+        "# GB/s = bus bandwidth (size/time x 2(n-1)/n); bw h/X > 1: hora faster; lat h/X > 1: hora slower",
+        "".join(title.rjust(width) for title, _, _, width in columns),
+    ]
+    for row in rows:
+        cells = []
+        for _, key, fmt, width in columns:
+            value = row.get(key)
+            cells.append(("-" if value is None else fmt.format(value)).rjust(width))
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+def parse_sizes(text: str) -> list[int]:
+    from hora.bench.sweep import parse_size
+
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes or any(s <= 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be positive byte counts, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=2, help="ranks per library (default 2)")
+    parser.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
+                        help="comma-separated sizes in bytes, K/M/G suffixes allowed (default 4 .. 64M, x4)")
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per size for small sizes (default 50)")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per size (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best per size wins (default 3)")
+    parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,gloo,mpi")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
+    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.mpi_worker:
+        return mpi_worker_main(args.sizes, args.iters, args.warmup)
+    if args.np < 2 or args.rounds < 1 or args.iters < 1:
+        parser.error("need -np >= 2, --rounds >= 1 and --iters >= 1")
+
+    def note(text: str) -> None:
+        print(f"# {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    wanted = [lib.strip() for lib in args.only.split(",") if lib.strip()]
+    runners = {lib: run for lib, run in available(note).items() if lib in wanted}
+    best: dict[str, dict[int, float]] = {lib: {} for lib in runners}
+    for round_index in range(args.rounds):
+        for lib in list(runners):
+            started = time.monotonic()
+            try:
+                times = runners[lib](args.sizes, args.iters, args.warmup, args.np)
+            except Exception as exc:  # noqa: BLE001 - one library failing must not hide the others
+                note(f"{lib} failed in round {round_index + 1}; dropping it: {type(exc).__name__}: {exc}")
+                del runners[lib]
+                continue
+            for nbytes, seconds in times.items():
+                best[lib][nbytes] = min(seconds, best[lib].get(nbytes, float("inf")))
+            if not args.json:
+                note(f"round {round_index + 1}/{args.rounds}: {lib} took {time.monotonic() - started:.1f} s")
+    rows = build_rows(args.sizes, best, args.np)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows, args.np, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Smoke tests of ``hora bench`` and benchmarks/compare_allreduce.py on tiny sweeps (world size 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hora.bench.cli import main as bench_main
+from hora.bench.sweep import OPS, bus_factor, iteration_plan, parse_size, size_sweep
+
+REPO = Path(__file__).resolve().parents[2]
+COMPARE = REPO / "benchmarks" / "compare_allreduce.py"
+ROW_KEYS = {"op", "size", "count", "dtype", "time_us", "algbw", "busbw", "iters", "ranks", "transport"}
+TINY = ["-np", "2", "-b", "4", "-e", "4K", "-f", "16", "--iters", "3", "--warmup", "1"]
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without any hora job identity (the tests may run inside one)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+
+
+def _check_row(row: dict, ranks: int) -> None:
+    assert ROW_KEYS <= set(row), row
+    assert row["ranks"] == ranks and row["transport"] == "tcp" and row["dtype"] == "float32", row
+    assert row["count"] * 4 == row["size"], row
+    assert row["iters"] >= 1, row
+    assert 0 < row["time_us"] < 5e6, row
+    assert math.isclose(row["algbw"], row["size"] / row["time_us"] / 1e3, rel_tol=1e-6), row
+    assert math.isclose(row["busbw"], row["algbw"] * bus_factor(row["op"], ranks), rel_tol=1e-6), row
+
+
+# ---- the pieces ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_bus_factors_follow_nccl_tests() -> None:
+    assert bus_factor("allreduce", 4) == pytest.approx(1.5)
+    assert bus_factor("allgather", 4) == pytest.approx(0.75)
+    assert bus_factor("reducescatter", 2) == pytest.approx(0.5)
+    assert bus_factor("alltoall", 3) == pytest.approx(2 / 3)
+    assert bus_factor("broadcast", 8) == 1.0
+    with pytest.raises(ValueError):
+        bus_factor("gather", 2)
+
+
+@pytest.mark.timeout(10)
+def test_sizes_and_iteration_plan() -> None:
+    assert parse_size("4") == 4
+    assert parse_size("64K") == 64 * 1024
+    assert parse_size("64M") == parse_size("64MiB") == parse_size("64mb") == 64 * 1024 * 1024
+    assert parse_size("1G") == 1024**3
+    with pytest.raises(ValueError):
+        parse_size("12Q")
+    assert size_sweep(4, 64, 2) == [4, 8, 16, 32, 64]
+    assert size_sweep(4, 100, 4) == [4, 16, 64]
+    with pytest.raises(ValueError):
+        size_sweep(8, 4, 2)
+    assert iteration_plan(4, 50, 5) == (50, 5)
+    big_iters, big_warmup = iteration_plan(64 * 1024 * 1024, 50, 5)
+    assert 1 <= big_iters < 50 and 1 <= big_warmup <= 5
+
+
+# ---- hora bench --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_hora_bench_prints_a_table_per_collective() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hora", "bench", *TINY], capture_output=True, text=True, timeout=50, env=_clean_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for op in OPS:
+        assert f"# {op}" in out, out
+    headers = [line for line in out.splitlines() if "busbw(GB/s)" in line and line.startswith("#")]
+    assert len(headers) == len(OPS), out
+    for title in ("size(B)", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)"):
+        assert title in headers[0], headers[0]
+    rows = [line.split() for line in out.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(rows) == 3 * len(OPS), out  # sizes 4, 64, 1024 for each collective
+    for cells in rows:
+        size, count, dtype, time_us, algbw, busbw, iters = cells
+        assert (int(size), int(count), dtype) in {(4, 1, "float32"), (64, 16, "float32"), (1024, 256, "float32")}
+        assert float(time_us) > 0 and float(algbw) >= 0 and float(busbw) >= 0 and int(iters) == 3, cells
+
+
+@pytest.mark.timeout(60)
+def test_hora_bench_json_rows(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith(("HORA_", "HOROVOD_"))]:
+        monkeypatch.delenv(key)
+    assert bench_main([*TINY, "--ops", "allreduce,alltoall", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["op"], r["size"]) for r in rows] == [
+        (op, size) for op in ("allreduce", "alltoall") for size in (4, 64, 1024)
+    ]
+    for row in rows:
+        _check_row(row, ranks=2)
+        assert len(row["per_rank_time_us"]) == 2 and max(row["per_rank_time_us"]) == pytest.approx(row["time_us"])
+
+
+@pytest.mark.timeout(60)
+def test_hora_bench_inside_a_job_reports_once() -> None:
+    """Started by ``hora run -np 2``, the bench runs in place and only rank 0 prints its rows."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, "-m", "hora", "bench",
+         "--ops", "broadcast", "-b", "64", "-e", "64", "--iters", "2", "--json"],
+        capture_output=True, text=True, timeout=50, env=_clean_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    # The launcher prefixes each worker line with "[rank]<stdout>:".
+    lines = [re.sub(r"^\[(\d+)\]<stdout>:", "", line) for line in proc.stdout.splitlines()]
+    assert all(line.startswith("[0]") for line in proc.stdout.splitlines() if line.startswith("[")), proc.stdout
+    rows = json.loads("\n".join(lines))
+    assert len(rows) == 1
+    _check_row(rows[0], ranks=2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "bad",
+    [["-e", "1X"], ["--ops", "allreduce,gather"], ["--dtype", "complex64"], ["-b", "64", "-e", "4"], ["-np", "0"]],
+)
+def test_hora_bench_rejects_bad_arguments(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench_main(bad)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+# ---- benchmarks/compare_allreduce.py -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_compare_allreduce_prints_ratios() -> None:
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(COMPARE), "--sizes", "4,65536", "--rounds", "1", "--iters", "5", "--warmup", "1"],
+        capture_output=True, text=True, timeout=85, env=_clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if "size(B)" in line)
+    for title in ("hora(us)", "gloo(us)", "mpi(us)", "bw h/gloo", "bw h/mpi", "lat h/gloo", "lat h/mpi"):
+        assert title in header, header
+    rows = {int(line.split()[0]): line.split() for line in lines if line.strip() and line.split()[0].isdigit()}
+    assert sorted(rows) == [4, 65536], proc.stdout
+    mpi_skipped = "skipping mpi" in proc.stdout
+    names = ["size", "hora_us", "gloo_us", "mpi_us", "hora_bw", "gloo_bw", "mpi_bw",
+             "bw_hora/gloo", "bw_hora/mpi", "lat_hora/gloo", "lat_hora/mpi"]
+    for cells in rows.values():
+        assert len(cells) == len(names), cells
+        values = dict(zip(names, cells))
+        assert float(values["hora_us"]) > 0 and float(values["gloo_us"]) > 0, cells
+        assert float(values["lat_hora/gloo"]) == pytest.approx(
+            float(values["hora_us"]) / float(values["gloo_us"]), rel=0.02, abs=0.01), cells
+        assert float(values["bw_hora/gloo"]) > 0, cells
+        assert (values["mpi_us"] == "-") == mpi_skipped, proc.stdout
