@@ -131,6 +131,26 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
     return _submit(requests) if requests else []
 
 
+def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> list[Handle]:
+    """In place: each result overwrites its input array."""
+    base, names = _group_names(name, len(tensors), "allreduce")
+    requests = [
+        _allreduce_request(t, average, n, op, prescale_factor, postscale_factor, process_set,
+                           inplace=True, group=base, group_size=len(tensors))
+        for t, n in zip(tensors, names)
+    ]
+    return _submit(requests) if requests else []
+
+
+def grouped_allreduce_(tensors: Sequence[np.ndarray], average: bool | None = None, name: str | None = None,
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    handles = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    return [synchronize(h) for h in handles]
+
+
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
@@ -330,7 +350,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
 __all__ = [
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
-    "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
     "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",

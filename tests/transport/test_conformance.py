@@ -58,11 +58,11 @@ def ops_for(dtype: np.dtype) -> tuple[ReduceOp, ...]:
     return ALL_OPS if dtype in NON_FLOAT_DTYPES else ARITH_OPS
 
 
-def thresholds() -> dict[str, int]:
-    """The transport knobs whose boundaries the suite straddles (read once, in the test process)."""
+def thresholds(environ: dict[str, str]) -> dict[str, int]:
+    """The transport knobs whose boundaries the suite straddles, as a job with ``environ`` sees them."""
     return {
-        "small_bytes": int(config.get("ring_small_bytes")),
-        "chunk_bytes": max(1, int(config.get("ring_chunk_bytes"))),
+        "small_bytes": int(config.get("ring_small_bytes", environ)),
+        "chunk_bytes": max(1, int(config.get("ring_chunk_bytes", environ))),
     }
 
 
@@ -578,41 +578,60 @@ def conformance_worker(transport: str, knobs: dict[str, int]) -> dict[str, Any]:
 
 # ---- the tests -------------------------------------------------------------------------------------
 
-KNOBS = thresholds()
-_JOBS: dict[tuple[str, int], Any] = {}
+
+@dataclass(frozen=True)
+class World:
+    """One job of the suite: a transport, a world size, and the knobs its workers run with."""
+
+    transport: str
+    size: int
+    variant: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.transport}-np{self.size}" + (f"-{self.variant}" if self.variant else "")
+
+    @property
+    def knobs(self) -> dict[str, int]:
+        """The thresholds the workers will see: this process's environment plus the world's."""
+        return thresholds({**config.environ_copy(), **dict(self.env)})
 
 
-def _job_results(transport: str, n: int) -> list[dict[str, Any]] | BaseException:
-    """Run (once per session) the job that executes every case for ``transport`` at ``n`` ranks."""
-    key = (transport, n)
-    if key not in _JOBS:
+# Every world size with the default knobs, plus one run that forces the pipelined algorithms with the
+# smallest chunk on every message, so chunk and segment boundaries are hit at every size.
+RING_ONLY_ENV = (("HORA_RING_SMALL_BYTES", "0"), ("HORA_RING_CHUNK_BYTES", "4096"))
+WORLDS = {
+    world.name: world
+    for transport in sorted(TRANSPORTS)
+    for world in [World(transport, n) for n in WORLD_SIZES] + [World(transport, 3, "ring_only", RING_ONLY_ENV)]
+}
+_JOBS: dict[str, Any] = {}
+
+
+def _job_results(world: World) -> list[dict[str, Any]] | BaseException:
+    """Run (once per session) the job that executes every case of ``world``."""
+    if world.name not in _JOBS:
+        env = {"HORA_TRANSPORT_TIMEOUT": str(JOB_TRANSPORT_TIMEOUT_S), **dict(world.env)}
         try:
-            _JOBS[key] = hora.run(
-                conformance_worker,
-                args=(transport, KNOBS),
-                np=n,
-                env={"HORA_TRANSPORT_TIMEOUT": str(JOB_TRANSPORT_TIMEOUT_S)},
-            )
+            _JOBS[world.name] = hora.run(conformance_worker, args=(world.transport, world.knobs), np=world.size, env=env)
         except Exception as exc:  # noqa: BLE001 - every case of this world reports it
-            _JOBS[key] = exc
-    return _JOBS[key]
+            _JOBS[world.name] = exc
+    return _JOBS[world.name]
 
 
 def _params() -> list[Any]:
-    params = []
-    for transport in sorted(TRANSPORTS):
-        for n in WORLD_SIZES:
-            world = f"{transport}-np{n}"
-            for case in build_cases(n, **KNOBS):
-                params.append(pytest.param(world, case.id, id=f"{world}-{case.id}"))
-    return params
+    return [
+        pytest.param(name, case.id, id=f"{name}-{case.id}")
+        for name, world in WORLDS.items()
+        for case in build_cases(world.size, **world.knobs)
+    ]
 
 
 @pytest.fixture(scope="module")
 def world(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    """Every rank's result table for one (transport, world size); the job runs once."""
-    transport, _, n_text = request.param.rpartition("-np")
-    results = _job_results(transport, int(n_text))
+    """Every rank's result table for one world; its job runs once."""
+    results = _job_results(WORLDS[request.param])
     if isinstance(results, BaseException):
         pytest.fail(f"the conformance job for {request.param} failed: {type(results).__name__}: {results}")
     unavailable = [r.get("__unavailable__") for r in results if "__unavailable__" in r]
@@ -638,15 +657,15 @@ def test_conformance(world: list[dict[str, Any]], case_id: str) -> None:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-def test_case_list_is_identical_on_every_rank(transport: str) -> None:
+@pytest.mark.parametrize("name", sorted(WORLDS))
+def test_every_rank_ran_the_same_case_list(name: str) -> None:
     """The case ids and their order do not depend on the rank (else collectives would mismatch)."""
-    for n in WORLD_SIZES:
-        results = _job_results(transport, n)
-        if isinstance(results, BaseException):
-            pytest.fail(f"the conformance job for {transport} at np={n} failed: {results}")
-        expected = [case.id for case in build_cases(n, **KNOBS)]
-        for rank, table in enumerate(results):
-            if "__unavailable__" in table:
-                pytest.skip(table["__unavailable__"])
-            assert list(table) == expected, f"rank {rank} of {n} ran a different case list"
+    world = WORLDS[name]
+    results = _job_results(world)
+    if isinstance(results, BaseException):
+        pytest.fail(f"the conformance job for {name} failed: {results}")
+    expected = [case.id for case in build_cases(world.size, **world.knobs)]
+    for rank, table in enumerate(results):
+        if "__unavailable__" in table:
+            pytest.skip(table["__unavailable__"])
+        assert list(table) == expected, f"rank {rank} of {world.size} ran a different case list"

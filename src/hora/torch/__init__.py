@@ -1,0 +1,78 @@
+"""hora.torch: horovod.torch's API on hora. Change ``import horovod.torch as hvd`` to
+``import hora.torch as hvd``; everything else stays."""
+
+from __future__ import annotations
+
+from hora.basics import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ProcessSet,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hora.torch.compression import Compression
+from hora.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from hora.torch.mpi_ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+    synchronize,
+)
+from hora.torch.optimizer import DistributedOptimizer
+from hora.torch.sync_batch_norm import SyncBatchNorm

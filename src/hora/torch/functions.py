@@ -1,0 +1,105 @@
+"""Helpers that make every rank start from the same state: parameters, optimizer state, objects."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from hora import collectives
+from hora.basics import ProcessSet, global_process_set
+from hora.torch import mpi_ops
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int) -> None:
+    """Overwrite parameters on every rank with ``root_rank``'s, in place.
+
+    ``params`` is a ``state_dict()``, ``model.named_parameters()``, or a list of tensors.
+    """
+    if isinstance(params, Mapping):
+        items = list(params.items())
+    else:
+        items = list(params)
+        if items and not isinstance(items[0], tuple):
+            items = [(str(i), p) for i, p in enumerate(items)]
+    handles = []
+    for name, p in items:
+        if p is None or not isinstance(p, torch.Tensor):
+            continue
+        handles.append(mpi_ops.broadcast_async_(p, root_rank, name=f"broadcast.parameter.{name}"))
+    for handle in handles:
+        mpi_ops.synchronize(handle)
+
+
+def _is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    return hasattr(optimizer, "_hora_setup")
+
+
+def _base_step(optimizer: torch.optim.Optimizer) -> None:
+    if _is_distributed(optimizer):
+        super(optimizer.__class__, optimizer).step()  # no allreduce: gradients are all zero anyway
+    else:
+        optimizer.step()
+
+
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create lazily built state (Adam's moments, ...) by a step on zero gradients, leaving weights as they were."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or all(p in optimizer.state and optimizer.state[p] for p in params):
+        return
+    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    _base_step(optimizer)
+    with torch.no_grad():
+        for p, data, grad in saved:
+            p.copy_(data)
+            p.grad = grad
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
+    """Give every rank ``root_rank``'s optimizer state: hyper-parameters and per-parameter tensors."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (it keeps Python lists of history)")
+    _initialise_state(optimizer)
+    # Scalar hyper-parameters (lr, momentum, betas, ...) travel as one object.
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    groups = collectives.broadcast_object(groups, root_rank, name="broadcast.optimizer.param_groups")
+    for group, values in zip(optimizer.param_groups, groups):
+        group.update(values)
+    # Per-parameter state: tensors in place, other values (ints, ...) as one object.
+    handles = []
+    scalars: dict[str, Any] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key in sorted(optimizer.state.get(p, {})):
+                value = optimizer.state[p][key]
+                name = f"{index}.{key}"
+                if isinstance(value, torch.Tensor):
+                    handles.append(mpi_ops.broadcast_async_(value, root_rank, name=f"broadcast.optimizer.{name}"))
+                else:
+                    scalars[name] = value
+            index += 1
+    for handle in handles:
+        mpi_ops.synchronize(handle)
+    scalars = collectives.broadcast_object(scalars, root_rank, name="broadcast.optimizer.scalars")
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key in list(optimizer.state.get(p, {})):
+                name = f"{index}.{key}"
+                if name in scalars:
+                    optimizer.state[p][key] = scalars[name]
+            index += 1
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s picklable object on every rank."""
+    return collectives.broadcast_object(obj, root_rank, name, process_set)
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    """Every rank's picklable object, in rank order."""
+    return collectives.allgather_object(obj, name, process_set)

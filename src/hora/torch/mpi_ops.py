@@ -1,0 +1,393 @@
+"""Collectives on torch tensors, with horovod.torch's names, signatures and defaults.
+
+Each call converts the tensor to the engine's NumPy buffer (a view for contiguous CPU tensors),
+submits through hora's NumPy binding and converts back when the handle is synchronised. The plain
+forms are differentiable; ``_async`` forms return a handle; a trailing ``_`` works in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from hora import basics, collectives
+from hora.basics import Average, ProcessSet, Sum, global_process_set
+from hora.engine.request import Handle
+from hora.torch.compression import Compression
+from hora.torch.tensors import as_array, check_dtype, from_array, shares_memory
+
+
+class TorchHandle:
+    """What the ``_async`` collectives return: pass it to :func:`poll` or :func:`synchronize`."""
+
+    __slots__ = ("_inner", "_finish", "_done", "_value")
+
+    def __init__(self, inner: Handle | list[Handle], finish: Callable[[Any], Any]) -> None:
+        self._inner = inner
+        self._finish = finish
+        self._done = False
+        self._value: Any = None
+
+    def poll(self) -> bool:
+        if isinstance(self._inner, list):
+            return all(h.done() for h in self._inner)
+        return self._inner.done()
+
+    def wait(self) -> Any:
+        if not self._done:
+            raw = [h.wait() for h in self._inner] if isinstance(self._inner, list) else self._inner.wait()
+            self._value = self._finish(raw)
+            self._done = True
+        return self._value
+
+
+def poll(handle: TorchHandle) -> bool:
+    """True once the collective behind ``handle`` has finished."""
+    return handle.poll()
+
+
+def synchronize(handle: TorchHandle) -> Any:
+    """Wait for the collective and return its output tensor (raises its error here)."""
+    return handle.wait()
+
+
+# ---- allreduce ----------------------------------------------------------------------------------
+
+def _new_tensor(like: torch.Tensor) -> Callable[[np.ndarray], torch.Tensor]:
+    return lambda result: from_array(result, like)
+
+
+def _inplace(tensor: torch.Tensor) -> tuple[np.ndarray, Callable[[Any], torch.Tensor]]:
+    """A buffer the engine may overwrite, and how to land its contents in ``tensor``."""
+    check_dtype(tensor)
+    if shares_memory(tensor):
+        return as_array(tensor), lambda _: tensor
+    host = as_array(tensor).copy()
+
+    def copy_back(_: Any) -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(from_array(host, tensor))
+        return tensor
+
+    return host, copy_back
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reducing ``tensor`` across ranks; :func:`synchronize` returns a new tensor."""
+    handle = collectives.allreduce_async(as_array(tensor), average, name, op, prescale_factor,
+                                         postscale_factor, process_set)
+    return TorchHandle(handle, _new_tensor(tensor))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reducing ``tensor`` in place."""
+    buf, finish = _inplace(tensor)
+    handle = collectives.allreduce_async_(buf, average, name, op, prescale_factor, postscale_factor, process_set)
+    return TorchHandle(handle, finish)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def _op_for_grad(average: bool | None, op: int | None) -> int:
+    return collectives.resolve_op(op, average)
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (_op_for_grad(average, op), prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, pre, post, ps = ctx.args
+        grad = synchronize(allreduce_async(grad_output.contiguous(), None, None, op, pre, post, ps))
+        return grad, None, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression=Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (Average by default); differentiable."""
+    compressed, ctx = compression.compress(tensor)
+    reduced = _AllreduceFunction.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                                       process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reducing a list of tensors as one fused unit."""
+    handles = collectives.grouped_allreduce_async([as_array(t) for t in tensors], average, name, op,
+                                                  prescale_factor, postscale_factor, process_set)
+    likes = list(tensors)
+    return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> TorchHandle:
+    pairs = [_inplace(t) for t in tensors]
+    handles = collectives.grouped_allreduce_async_([buf for buf, _ in pairs], average, name, op,
+                                                   prescale_factor, postscale_factor, process_set)
+    finishes = [finish for _, finish in pairs]
+    return TorchHandle(handles, lambda results: [f(r) for f, r in zip(finishes, results)])
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (_op_for_grad(average, op), prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
+                                                         postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        op, pre, post, ps = ctx.args
+        grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_outputs], None, None, op,
+                                                    pre, post, ps))
+        return (None, None, None, None, None, None, *grads)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression=Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce a list of tensors as one fused unit; differentiable."""
+    pairs = [compression.compress(t) for t in tensors]
+    reduced = _GroupedAllreduceFunction.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                              *[c for c, _ in pairs])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+
+
+# ---- allgather ----------------------------------------------------------------------------------
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start concatenating every rank's tensor along dimension 0."""
+    return TorchHandle(collectives.allgather_async(as_array(tensor), name, process_set), _new_tensor(tensor))
+
+
+def _set_ranks(process_set: ProcessSet) -> list[int]:
+    return global_process_set.ranks if process_set is global_process_set else process_set.ranks
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim = tensor.shape[0] if tensor.dim() else 1
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ps = ctx.process_set
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Sum, process_set=ps))
+        dims = synchronize(allgather_async(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ps))
+        me = _set_ranks(ps).index(basics.rank())
+        offset = int(dims[:me].sum())
+        return grad.narrow(0, offset, ctx.dim), None, None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's tensor along dimension 0 (first dimensions may differ); differentiable."""
+    return _AllgatherFunction.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    handles = collectives.grouped_allgather_async([as_array(t) for t in tensors], name, process_set)
+    likes = list(tensors)
+    return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ---- broadcast ----------------------------------------------------------------------------------
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    return TorchHandle(collectives.broadcast_async(as_array(tensor), root_rank, name, process_set),
+                       _new_tensor(tensor))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+    buf, finish = _inplace(tensor)
+    return TorchHandle(collectives.broadcast_async_(buf, root_rank, name, process_set), finish)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Sum, process_set=ctx.process_set))
+        if basics.rank() != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """``root_rank``'s tensor on every rank; differentiable (the gradient flows to the root)."""
+    return _BroadcastFunction.apply(tensor, root_rank, name, process_set)
+
+
+# ---- alltoall -----------------------------------------------------------------------------------
+
+def _splits_list(splits: Any) -> Any:
+    if isinstance(splits, torch.Tensor):
+        return splits.detach().cpu().numpy()
+    return splits
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start sending ``splits[j]`` rows to rank j; synchronize returns ``(output, received_splits)``."""
+    handle = collectives.alltoall_async(as_array(tensor), _splits_list(splits), name, process_set)
+    return TorchHandle(handle, lambda res: (from_array(res[0], tensor), torch.from_numpy(res[1]).to(torch.int32)))
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_received):
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received, process_set=ctx.process_set))
+        return grad, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set):
+    """Exchange rows between ranks; returns the output, or ``(output, received_splits)`` with splits."""
+    output, received = _AlltoallFunction.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# ---- reducescatter ------------------------------------------------------------------------------
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> TorchHandle:
+    handle = collectives.reducescatter_async(as_array(tensor), name, op, process_set, prescale_factor,
+                                             postscale_factor)
+    return TorchHandle(handle, _new_tensor(tensor))
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (op, process_set, prescale_factor * postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, ps, scale = ctx.args
+        grad = synchronize(allgather_async(grad_output.contiguous(), process_set=ps))
+        if op == Average:
+            scale /= len(_set_ranks(ps))
+        return (grad * scale if scale != 1.0 else grad), None, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Compression.none, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce across ranks and keep this rank's block of rows; differentiable."""
+    compressed, ctx = compression.compress(tensor)
+    out = _ReducescatterFunction.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> TorchHandle:
+    handles = collectives.grouped_reducescatter_async([as_array(t) for t in tensors], name, op, process_set,
+                                                      prescale_factor, postscale_factor)
+    likes = list(tensors)
+    return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression=Compression.none,
+                          op: int = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([c for c, _ in pairs], name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+# ---- sparse -------------------------------------------------------------------------------------
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
+                           process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Reduce a sparse COO tensor by gathering every rank's indices and values (Sum or Average)."""
+    op = collectives.resolve_op(op)
+    if op not in (Average, Sum):
+        raise ValueError("sparse_allreduce supports op=Average and op=Sum only")
+    t = tensor.coalesce()
+    indices = t.indices().t().contiguous()
+    values = t.values().contiguous()
+    handles = [
+        collectives.allgather_async(as_array(indices), f"{name}.indices", process_set),
+        collectives.allgather_async(as_array(values), f"{name}.values", process_set),
+    ]
+    count = len(_set_ranks(process_set))
+
+    def finish(results: list[np.ndarray]) -> torch.Tensor:
+        all_indices = from_array(results[0]).t()
+        all_values = from_array(results[1], tensor)
+        if op == Average:
+            all_values = all_values / count
+        out = torch.sparse_coo_tensor(all_indices.to(tensor.device), all_values, tensor.shape)
+        return out.coalesce()
+
+    return TorchHandle(handles, finish)
+
+
+# ---- control ------------------------------------------------------------------------------------
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has reached the barrier."""
+    collectives.barrier(process_set)
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: it contributes zeros until all join. Returns the last rank to join."""
+    return collectives.join(device)

@@ -1,0 +1,253 @@
+"""DistributedOptimizer: averages gradients across ranks while the backward pass is still running.
+
+A hook on every parameter fires as soon as its gradient has been accumulated and starts an in-place
+asynchronous allreduce of it, so communication overlaps the rest of the backward pass. ``step()``
+waits for whatever is still in flight, then lets the wrapped optimizer update the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from hora import basics
+from hora.basics import Adasum, Average, ProcessSet, global_process_set
+from hora.torch import mpi_ops
+from hora.torch.compression import Compression
+
+
+class _Pending:
+    """One in-flight reduction: the handle and how to land its result in the gradients."""
+
+    __slots__ = ("handle", "finish")
+
+    def __init__(self, handle: mpi_ops.TorchHandle, finish) -> None:
+        self.handle = handle
+        self.finish = finish
+
+
+class _DistributedOptimizer:
+    """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`)."""
+
+    def _hora_setup(self, named_parameters, compression, backward_passes_per_step: int, op: int,
+                    gradient_predivide_factor: float, groups, sparse_as_dense: bool,
+                    process_set: ProcessSet) -> None:
+        if op == Adasum:
+            raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor other than 1.0 needs op=Average")
+        self._compression = compression
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self._should_synchronize = True
+        self._synchronized = False
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._names = self._parameter_names(named_parameters, all_params)
+        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._groups = self._make_groups(groups)
+        self._group_of = {p: i for i, g in enumerate(self._groups) for p in g}
+        self._pending: dict[Any, _Pending] = {}  # parameter, or group index -> in-flight reduction
+        self._ready_in_group: dict[int, set] = {}
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._requires_update]
+
+    # ---- setup helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _parameter_names(named_parameters, all_params: list) -> dict:
+        if named_parameters is None:
+            return {p: f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
+        pairs = list(named_parameters)
+        if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
+            raise ValueError("named_parameters must be a sequence of (name, parameter) pairs, "
+                             "e.g. model.named_parameters()")
+        names = [name for name, _ in pairs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"parameter names in named_parameters must be unique; repeated: {duplicates}")
+        by_param = {p: f"allreduce.{name}" for name, p in pairs}
+        unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
+        if unnamed:
+            raise ValueError(f"named_parameters lacks {len(unnamed)} of the optimizer's parameters "
+                             f"(positions {unnamed[:10]}); pass model.named_parameters() of the same model")
+        return by_param
+
+    def _make_groups(self, groups) -> list[list]:
+        if groups is None or groups == 0:
+            return []
+        if isinstance(groups, int):
+            if groups < 0:
+                raise ValueError(f"groups must be a non-negative int or a list of parameter lists, got {groups}")
+            params = self._requires_update
+            size = -(-len(params) // groups) if params else 1
+            return [params[i : i + size] for i in range(0, len(params), size)]
+        result = []
+        seen = set()
+        for group in groups:
+            members = [p for p in group if p.requires_grad]
+            if any(p in seen for p in members):
+                raise ValueError("a parameter appears in more than one group")
+            seen.update(members)
+            if members:
+                result.append(members)
+        return result
+
+    # ---- hooks and reductions -------------------------------------------------------------------
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if p not in self._delay:
+            return
+        key = self._group_of.get(p, p)
+        if key in self._pending:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            return
+        if isinstance(key, int):
+            ready = self._ready_in_group.setdefault(key, set())
+            ready.add(p)
+            if len(ready) == len(self._groups[key]):
+                self._start_group(key)
+        else:
+            self._start(p)
+
+    def _scales(self) -> tuple[float, float]:
+        if self._op == Average:
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            # Not used in this step on this rank: contribute zeros so every rank reduces the same set.
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse and self._sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _start(self, p: torch.Tensor) -> None:
+        grad = self._dense_grad(p)
+        name = self._names[p]
+        if grad.is_sparse:
+            handle = mpi_ops.sparse_allreduce_async(grad, name, self._op, self._process_set)
+
+            def finish_sparse(result, p=p):
+                p.grad = result
+            self._pending[p] = _Pending(handle, finish_sparse)
+            return
+        compressed, ctx = self._compression.compress(grad)
+        pre, post = self._scales()
+        handle = mpi_ops.allreduce_async_(compressed, name=name, op=self._op, prescale_factor=pre,
+                                          postscale_factor=post, process_set=self._process_set)
+
+        def finish(result, p=p, ctx=ctx, compressed=compressed):
+            if compressed is not p.grad:
+                with torch.no_grad():
+                    p.grad.copy_(self._compression.decompress(result, ctx))
+        self._pending[p] = _Pending(handle, finish)
+
+    def _start_group(self, index: int) -> None:
+        params = self._groups[index]
+        grads = [self._dense_grad(p) for p in params]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("grouped allreduce does not take sparse gradients; pass sparse_as_dense=True")
+        pairs = [self._compression.compress(g) for g in grads]
+        pre, post = self._scales()
+        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=f"allreduce.group.{index}",
+                                                  op=self._op, prescale_factor=pre, postscale_factor=post,
+                                                  process_set=self._process_set)
+
+        def finish(results, params=params, pairs=pairs):
+            with torch.no_grad():
+                for p, result, (compressed, ctx) in zip(params, results, pairs):
+                    if compressed is not p.grad:
+                        p.grad.copy_(self._compression.decompress(result, ctx))
+        self._pending[index] = _Pending(handle, finish)
+
+    # ---- the optimizer interface ----------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish every reduction of this step, starting those whose hooks did not fire."""
+        for p in self._requires_update:
+            key = self._group_of.get(p, p)
+            if key in self._pending:
+                continue
+            if isinstance(key, int):
+                self._start_group(key)
+            else:
+                self._start(p)
+        for pending in self._pending.values():
+            pending.finish(mpi_ops.synchronize(pending.handle))
+        self._pending.clear()
+        self._ready_in_group.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without a preceding optimizer.synchronize() being "
+                              "needed: synchronize() was already called; use skip_synchronize() around "
+                              "step() after an explicit synchronize()", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._pending:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be at least 1, got {passes}")
+        self.backward_passes_per_step = int(passes)
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
+                         compression=Compression.none, backward_passes_per_step: int = 1, op: int = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across all ranks.
+
+    The result is an instance of the wrapped optimizer's own class (``isinstance`` checks and
+    learning-rate schedulers keep working) sharing its parameter groups, state and hyper-parameters.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
+    if num_groups and groups is not None:
+        raise ValueError("give groups or the deprecated num_groups, not both")
+    basics.engine()  # fail early, with the init() message, when hora is not initialised
+    base = optimizer.__class__
+    cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
+                                        if k not in ("__dict__", "__weakref__")})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._hora_setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                        groups if groups is not None else (num_groups or None), sparse_as_dense, process_set)
+    return wrapped

@@ -1,0 +1,52 @@
+"""Torch tensors as the engine's NumPy buffers, without copies where the memory layout allows.
+
+A contiguous CPU tensor shares its memory with the NumPy array the engine reduces, so an in-place
+collective writes straight into the tensor. Other tensors (CUDA, non-contiguous) go through a host
+copy: there is no GPU transport yet (``hora check`` says so).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+SUPPORTED = (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+)
+
+
+def check_dtype(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED)
+        raise TypeError(f"tensor dtype {tensor.dtype} is not supported by hora; supported: {names}")
+
+
+def shares_memory(tensor: torch.Tensor) -> bool:
+    """Whether :func:`as_array` returns a view of ``tensor`` (not a copy)."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's data as a NumPy array: a view for contiguous CPU tensors, else a host copy."""
+    check_dtype(tensor)
+    t = tensor.detach()
+    if not shares_memory(t):
+        t = t.to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_array(array: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A tensor holding ``array`` (shared memory on CPU), moved to ``like``'s device if given."""
+    if array.dtype == ml_dtypes.bfloat16:
+        t = torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(array))
+    if like is not None and like.device.type != "cpu":
+        t = t.to(like.device)
+    return t

@@ -1,0 +1,199 @@
+"""hora's NumPy API in this process, without a launcher: ``hora.init()`` forms a size-1 job."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import hora
+from hora import basics
+
+pytestmark = pytest.mark.timeout(60)
+
+TOPOLOGY = ("size", "rank", "local_size", "local_rank", "cross_size", "cross_rank", "is_homogeneous")
+
+
+@pytest.fixture
+def solo(no_hora_env):
+    hora.shutdown()
+    hora.init()
+    yield
+    hora.shutdown()
+
+
+@pytest.mark.parametrize("query", TOPOLOGY)
+def test_topology_before_init_raises_value_error_mentioning_init(no_hora_env, query):
+    hora.shutdown()
+    assert not hora.is_initialized()
+    with pytest.raises(ValueError, match="init"):
+        getattr(hora, query)()
+
+
+def test_collective_before_init_raises_value_error(no_hora_env):
+    hora.shutdown()
+    with pytest.raises(ValueError, match="init"):
+        hora.allreduce(np.ones(2, np.float32), name="before_init")
+
+
+def test_lifecycle_init_is_idempotent_and_init_after_shutdown_works(no_hora_env):
+    hora.shutdown()
+    hora.init()
+    try:
+        assert hora.is_initialized()
+        engine = basics._ctx.engine
+        hora.init()  # does nothing
+        assert basics._ctx.engine is engine
+        assert (hora.size(), hora.rank(), hora.local_size(), hora.local_rank()) == (1, 0, 1, 0)
+        assert (hora.cross_size(), hora.cross_rank(), hora.is_homogeneous()) == (1, 0, True)
+        hora.shutdown()
+        assert not hora.is_initialized()
+        hora.shutdown()  # twice is harmless
+        hora.init()
+        assert hora.is_initialized() and basics._ctx.engine is not engine
+        np.testing.assert_array_equal(hora.allreduce(np.arange(3.0), name="after_reinit"), np.arange(3.0))
+    finally:
+        hora.shutdown()
+
+
+def test_reduce_op_constants_equal_horovods():
+    assert (hora.Average, hora.Sum, hora.Adasum, hora.Min, hora.Max, hora.Product) == (0, 1, 2, 3, 4, 5)
+
+
+def test_build_queries_tell_the_truth_about_the_tcp_transport():
+    assert hora.mpi_built() is False and hora.mpi_enabled() is False
+    assert hora.gloo_built() is False and hora.gloo_enabled() is False
+    assert hora.nccl_built() == 0 and isinstance(hora.nccl_built(), int)
+    for query in (hora.ccl_built, hora.ddl_built, hora.cuda_built, hora.rocm_built):
+        assert query() is False
+    with pytest.raises(ValueError, match="MPI"):
+        hora.mpi_threads_supported()
+
+
+def test_errors_follow_horovods_hierarchy():
+    assert issubclass(hora.HorovodInternalError, RuntimeError)
+    assert issubclass(hora.HostsUpdatedInterrupt, RuntimeError)
+
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32, np.int64, np.uint8, np.int8, np.int16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_allreduce_at_size_1_returns_the_input(solo, dtype):
+    x = (np.arange(12).reshape(3, 4) % 7).astype(dtype)
+    for op in (None, hora.Average, hora.Sum, hora.Min, hora.Max, hora.Product):
+        out = hora.allreduce(x, op=op, name=f"ar.{op}")
+        assert out.dtype == x.dtype and out.shape == x.shape and out is not x
+        np.testing.assert_array_equal(out.astype(np.float64), x.astype(np.float64))
+
+
+def test_allreduce_variants_at_size_1(solo):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(hora.allreduce(x, average=False, name="avg_false"), x)
+    np.testing.assert_array_equal(hora.allreduce(x, average=True, name="avg_true"), x)
+    np.testing.assert_allclose(hora.allreduce(x, op=hora.Sum, prescale_factor=2.0, postscale_factor=0.25,
+                                              name="scaled"), x * 0.5)
+    ints = np.array([5, -5, 7], dtype=np.int32)
+    np.testing.assert_array_equal(hora.allreduce(ints, op=hora.Sum, postscale_factor=0.5, name="int_scaled"),
+                                  np.array([2, -2, 3], dtype=np.int32))  # truncated toward zero
+    y = x.copy()
+    out = hora.allreduce_(y, op=hora.Sum, postscale_factor=3.0, name="inplace")
+    assert out is y
+    np.testing.assert_array_equal(y, x * 3)
+    h = hora.allreduce_async_(y, op=hora.Sum, name="inplace_async")
+    assert hora.synchronize(h) is y
+    outs = hora.grouped_allreduce([x, x.astype(np.float64), np.ones(1, np.int64)], op=hora.Sum, name="grp")
+    assert [o.dtype for o in outs] == [np.float32, np.float64, np.int64]
+    np.testing.assert_array_equal(outs[0], x)
+    handles = hora.grouped_allreduce_async([x, x], name="grp_async")
+    assert all(np.array_equal(hora.synchronize(h), x) for h in handles)
+    assert hora.grouped_allreduce([], name="empty") == []
+    np.testing.assert_array_equal(hora.allreduce(np.float64(2.5), name="scalar"), 2.5)
+    np.testing.assert_array_equal(hora.allreduce([1.0, 2.0], name="list"), [1.0, 2.0])
+    booleans = np.array([True, False])
+    np.testing.assert_array_equal(hora.allreduce(booleans, op=hora.Max, name="bool"), booleans)
+
+
+def test_allreduce_argument_errors(solo):
+    x = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match="not both"):
+        hora.allreduce(x, average=True, op=hora.Sum)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hora.allreduce(x, op=hora.Adasum)
+    with pytest.raises(ValueError, match="op"):
+        hora.allreduce(x, op=42)
+    with pytest.raises(TypeError, match="dtype"):
+        hora.allreduce(np.ones(2, np.complex64))
+    with pytest.raises(ValueError, match="in-place"):
+        hora.allreduce_(np.ones((4, 4), np.float32)[:, 1])  # not contiguous
+    with pytest.raises(TypeError, match="bool"):
+        hora.allreduce(np.ones(2, bool))  # Average of bools is undefined
+
+
+def test_other_collectives_at_size_1(solo):
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(hora.allgather(x, name="ag"), x)
+    np.testing.assert_array_equal(hora.allgather(np.float32(3), name="ag_scalar"), [3])
+    outs = hora.grouped_allgather([x, x[:1].astype(np.int64)], name="gag")
+    np.testing.assert_array_equal(outs[0], x)
+    np.testing.assert_array_equal(outs[1], x[:1])
+
+    np.testing.assert_array_equal(hora.broadcast(x, 0, name="bc"), x)
+    y = x.copy()
+    assert hora.broadcast_(y, root_rank=0, name="bc_") is y
+    with pytest.raises(ValueError, match="root_rank"):
+        hora.broadcast(x, 1)
+
+    out = hora.alltoall(x, name="a2a")
+    assert not isinstance(out, tuple)
+    np.testing.assert_array_equal(out, x)
+    out, received = hora.alltoall(x, splits=[4], name="a2a_splits")
+    np.testing.assert_array_equal(out, x)
+    assert list(received) == [4]
+    with pytest.raises(ValueError, match="splits"):
+        hora.alltoall(x, splits=[3])
+
+    np.testing.assert_array_equal(hora.reducescatter(x, name="rs"), x)
+    np.testing.assert_array_equal(hora.reducescatter(x, op=hora.Sum, name="rs_sum"), x)
+    rs = hora.grouped_reducescatter([x, x * 2], op=hora.Sum, name="grs")
+    np.testing.assert_array_equal(rs[0], x)
+    np.testing.assert_array_equal(rs[1], x * 2)
+    with pytest.raises(ValueError, match="Average and op=Sum"):
+        hora.reducescatter(x, op=hora.Max)
+
+    assert hora.barrier() is None
+    assert hora.join() == 0
+    assert hora.broadcast_object({"a": [1, 2]}, root_rank=0) == {"a": [1, 2]}
+    assert hora.allgather_object(("me", 0)) == [("me", 0)]
+
+    h = hora.allreduce_async(x, name="polled")
+    result = hora.synchronize(h)
+    assert hora.poll(h) is True
+    np.testing.assert_array_equal(result, x)
+
+
+def test_process_sets_at_size_1(solo):
+    assert hora.global_process_set.process_set_id == 0
+    assert hora.global_process_set.ranks == [0] and hora.global_process_set.size() == 1
+    with pytest.raises(ValueError, match="already exists"):
+        hora.add_process_set([0])
+    with pytest.raises(ValueError, match="within"):
+        hora.add_process_set([1])
+    unregistered = hora.ProcessSet([0])
+    with pytest.raises(ValueError, match="not registered"):
+        unregistered.size()
+    assert hora.remove_process_set(unregistered) is False
+    assert hora.remove_process_set(hora.global_process_set) is False
+
+
+def test_timeline_start_and_stop_at_size_1(solo, tmp_path):
+    import json
+
+    path = tmp_path / "tl.json"
+    hora.start_timeline(str(path))
+    hora.allreduce(np.ones(2, np.float32), name="traced")
+    hora.stop_timeline()
+    events = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert "traced" in names
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= {e["name"] for e in events}
