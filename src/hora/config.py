@@ -107,6 +107,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ring_small_bytes", 64 * 1024, _parse_nonneg_int,
          "Messages up to this size use the latency-optimal algorithm instead of the ring.",
          horovod_alias=False),
+    Knob("unix_sockets", True, _parse_bool,
+         "Connect ranks on the same host through Unix-domain sockets (faster than loopback TCP).",
+         horovod_alias=False),
     Knob("socket_buffer_bytes", 4 * MiB, _parse_nonneg_int,
          "SO_SNDBUF/SO_RCVBUF for peer sockets (0 keeps the OS default).", horovod_alias=False),
     # Engine (read by later layers; listed here so every knob lives in one table).

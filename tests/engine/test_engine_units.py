@@ -324,6 +324,13 @@ def test_plan_buckets_never_splits_a_group():
     assert _names(plan_buckets(items, 0)) == [["a"], ["g.0", "g.1", "g.2"], ["b"]]
 
 
+def test_plan_buckets_keeps_a_mixed_dtype_group_together_per_dtype():
+    g = dict(group="g", group_size=3)
+    items = _items([("g.0", ar(**g)), ("g.1", ar(dtype="float64", **g)), ("g.2", ar(**g))])
+    assert _names(plan_buckets(items, 1 << 20)) == [["g.0", "g.2"], ["g.1"]]
+    assert [b.key[1] for b in plan_buckets(items, 0)] == ["float32", "float64"]
+
+
 def test_plan_buckets_same_inputs_give_same_buckets():
     def build():
         specs = [(f"t{i}", ar((i * 7 % 50 + 1,), dtype=("float32", "float64")[i % 2])) for i in range(40)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -254,7 +254,3 @@ def run_job(spec: BenchSpec, np: int, env: dict[str, str] | None = None) -> list
     results = hora.run(bench_worker, args=(spec,), np=np, env=env)
     return results[0] or []
 
-
-def sizes_from(texts: Sequence[str]) -> tuple[int, ...]:
-    """Parse a list of size strings (``4,64K,1M`` split by the caller)."""
-    return tuple(parse_size(t) for t in texts if str(t).strip())

@@ -93,6 +93,9 @@ class Engine:
         self._known_sets: dict[int, list[int]] = {}
         self._next_set_id = 1
         self._names = itertools.count()
+        #: Negotiation rounds (name-based coordinator exchanges) this rank has taken part in, all
+        #: process sets together. Steady state served by the response cache adds none.
+        self.negotiation_rounds = 0
         self._add_set(0, list(range(world.size)), world)
         self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
         self._thread.start()
@@ -219,7 +222,7 @@ class Engine:
                         "collective was pending"))
                     return
         except HorovodInternalError as exc:
-            logger.error("rank %d: %s", self.global_rank, exc)
+            logger.error("%s", exc)  # the message already names the rank
             self._fail_all(exc)
         except Exception as exc:  # noqa: BLE001 - a bug must fail handles, not hang them
             logger.exception("rank %d: engine thread crashed", self.global_rank)
@@ -320,6 +323,7 @@ class Engine:
         return False
 
     def _negotiate(self, state: SetState, now: float) -> bool:
+        self.negotiation_rounds += 1
         sending = state.uncached
         state.uncached = []
         for request in sending:

@@ -54,18 +54,20 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
     """Group items into fused buckets, deterministically (same input order -> same buckets).
 
     A bucket takes any later item with the same key while it stays within ``threshold`` bytes;
-    a grouped collective's members are placed as one unit whatever their size.
+    a grouped collective's members are placed as one unit whatever their size (one unit per
+    fusion key: members of different dtypes cannot share a buffer).
     """
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, Bucket] = {}
     units: list[list[Item]] = []
-    group_units: dict[str, list[Item]] = {}
+    group_units: dict[tuple, list[Item]] = {}
     for item in items:
         sig = item.response.signature
         if sig.group and item.response.error is None:
-            unit = group_units.get(sig.group)
+            unit_key = (sig.group, _fusion_key(item.response))
+            unit = group_units.get(unit_key)
             if unit is None:
-                unit = group_units[sig.group] = []
+                unit = group_units[unit_key] = []
                 units.append(unit)
             unit.append(item)
         else:
@@ -185,9 +187,11 @@ class Executor:
             elif kind == Kind.BROADCAST:
                 self._broadcast(items)
             elif kind == Kind.ALLTOALL:
-                self._alltoall(items[0])
+                for item in items:  # a grouped collective's members share one (unfused) bucket
+                    self._alltoall(item)
             elif kind == Kind.REDUCESCATTER:
-                self._reducescatter(items[0])
+                for item in items:
+                    self._reducescatter(item)
             elif kind == Kind.BARRIER:
                 self.comm.barrier()
                 self._complete(items[0], None)

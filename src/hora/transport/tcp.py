@@ -20,6 +20,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -96,9 +97,16 @@ class TcpCommunicator(Communicator):
             host,
             timeout=float(config.get("start_timeout")),
             buffer_bytes=int(config.get("socket_buffer_bytes")),
+            unix_sockets=bool(config.get("unix_sockets")),
         )
         for sock in self._peers.values():
             self._set_timeouts(sock)
+        # A message this small fits in the kernel's buffers, so it may be sent inline (no thread
+        # handoff) even while the peer is sending to us: neither side can block the other.
+        self._inline_limit = min(
+            (sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for sock in self._peers.values()),
+            default=0,
+        ) // 4
         self._sender = AsyncSender(name=f"hora-send-{self.global_rank}")
         self._broken: PeerFailureError | None = None
         self._closed = False
@@ -128,11 +136,14 @@ class TcpCommunicator(Communicator):
 
     # ---- failure handling ---------------------------------------------------------------------
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise TransportError(f"rank {self.global_rank}: {what} on a closed communicator")
+
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:
         with self._lock:
-            if self._closed:
-                raise TransportError(f"rank {self.global_rank}: {what} on a closed communicator")
+            self._check_open(what)
             if self._broken is not None:
                 raise PeerFailureError(
                     f"rank {self.global_rank}: {what} on a communicator that already failed: {self._broken}",
@@ -144,7 +155,16 @@ class TcpCommunicator(Communicator):
                     yield
                 self._sender.flush(self.timeout)
             except PeerFailureError as exc:
-                self._fail(what, str(exc), exc.failed_rank)
+                reason, failed = str(exc), exc.failed_rank
+                if getattr(exc, "timed_out", False) and failed is not None:
+                    root = self._hang_root(failed)
+                    if root != failed:
+                        reason = (
+                            f"rank {root} made no progress for {self.timeout:.0f} s (it may be hung or stuck "
+                            f"outside the collective; ranks downstream of it, such as rank {failed}, waited too)"
+                        )
+                        failed = root
+                self._fail(what, reason, failed)
             except (OSError, TimeoutError) as exc:
                 self._fail(what, f"a send failed ({exc})", None)
 
@@ -173,6 +193,30 @@ class TcpCommunicator(Communicator):
         self._broken = PeerFailureError(message, failed_rank)
         raise self._broken
 
+    def _hang_root(self, suspect: int) -> int:
+        """Which rank is really hung, when this rank timed out waiting on ``suspect``.
+
+        Every rank stalled behind a hung one times out at about the same moment and blames its own
+        silent neighbour. Each publishes whom it waited on; the hung rank is the one blamed that does
+        not itself report.
+        """
+        prefix = f"{self._scope}/stalled/"
+        try:
+            self._store.set(prefix + str(self.global_rank), str(suspect).encode())
+            deadline = time.monotonic() + min(2.0, self.timeout)
+            while True:
+                reports = {}
+                for key in self._store.keys(prefix):
+                    value = self._store.try_get(key)
+                    if value is not None:
+                        reports[int(key.rsplit("/", 1)[1])] = int(value)
+                silent = sorted({s for s in reports.values() if s not in reports})
+                if len(reports) >= self.size - 1 or time.monotonic() >= deadline:
+                    return silent[0] if len(silent) == 1 else suspect
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
+            return suspect
+
     def _recv_into(self, peer: int, view: memoryview) -> None:
         sock = self._peers[peer]
         need = len(view)
@@ -181,11 +225,13 @@ class TcpCommunicator(Communicator):
             try:
                 n = sock.recv_into(view[got:], need - got, socket.MSG_WAITALL)
             except (BlockingIOError, TimeoutError):
-                raise PeerFailureError(
+                error = PeerFailureError(
                     f"no data from rank {self._members[peer]} for {self.timeout:.0f} s "
                     "(it may be hung or stuck outside the collective; see HORA_TRANSPORT_TIMEOUT)",
                     self._members[peer],
-                ) from None
+                )
+                error.timed_out = True
+                raise error from None
             except OSError as exc:
                 raise PeerFailureError(
                     f"connection to rank {self._members[peer]} broke ({exc}); it probably died",
@@ -199,8 +245,11 @@ class TcpCommunicator(Communicator):
             got += n
 
     def _send_now(self, peer: int, view: memoryview) -> None:
-        """Send inline: only for messages small enough to fit in the socket buffers."""
+        """Send inline when the message fits in the socket buffers, else through the sender thread."""
         if not len(view):
+            return
+        if len(view) > self._inline_limit:
+            self._sender.send(self._peers[peer], view)
             return
         try:
             self._peers[peer].sendall(view)
@@ -221,6 +270,7 @@ class TcpCommunicator(Communicator):
     # ---- allreduce ----------------------------------------------------------------------------
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
+        self._check_open("allreduce")
         check_buffer(buf)
         check_op(op, buf.dtype)
         if self.size == 1 or buf.size == 0:
@@ -315,6 +365,7 @@ class TcpCommunicator(Communicator):
     # ---- allgather ----------------------------------------------------------------------------
 
     def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        self._check_open("allgather")
         check_buffer(send, "send buffer")
         check_buffer(recv, "receive buffer")
         counts = check_counts(counts, self.size, "counts")
@@ -347,6 +398,7 @@ class TcpCommunicator(Communicator):
     # ---- broadcast ----------------------------------------------------------------------------
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
+        self._check_open("broadcast")
         check_buffer(buf)
         self._check_root(root)
         if self.size == 1 or buf.size == 0:
@@ -385,6 +437,7 @@ class TcpCommunicator(Communicator):
         recv: np.ndarray,
         recv_counts: Sequence[int],
     ) -> None:
+        self._check_open("alltoall")
         check_buffer(send, "send buffer")
         check_buffer(recv, "receive buffer")
         if recv.dtype != send.dtype:
@@ -419,6 +472,7 @@ class TcpCommunicator(Communicator):
     def reducescatter(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], op: ReduceOp = ReduceOp.SUM
     ) -> None:
+        self._check_open("reducescatter")
         check_buffer(send, "send buffer")
         check_buffer(recv, "receive buffer")
         check_op(op, send.dtype)
@@ -467,6 +521,7 @@ class TcpCommunicator(Communicator):
     # ---- control ------------------------------------------------------------------------------
 
     def barrier(self) -> None:
+        self._check_open("barrier")
         token = np.zeros(1, dtype=np.uint8)
         self.allreduce(token, ReduceOp.SUM)
 
@@ -482,6 +537,7 @@ class TcpCommunicator(Communicator):
         return pickle.loads(payload)  # the peer proved it holds the job secret
 
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        self._check_open("gather_object")
         self._check_root(root)
         if self.size == 1:
             return [obj]
@@ -497,6 +553,7 @@ class TcpCommunicator(Communicator):
             return out
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        self._check_open("broadcast_object")
         self._check_root(root)
         if self.size == 1:
             return obj

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Data-parallel training throughput, side by side: hora.torch's DistributedOptimizer, PyTorch's
+DistributedDataParallel over Gloo, and one process with no distribution at all.
+
+All three train the synthetic benchmark's model (examples/pytorch_synthetic_benchmark.py) on the
+same fixed random batch, with the same batch size per worker, the same CPU threads per worker and
+the same number of timed steps after the same warm-up. Every worker is a fresh process started by
+``hora.run``; DDP's workers get MASTER_ADDR/MASTER_PORT and form a Gloo process group instead of
+calling ``hvd.init()``. The machine is shared and noisy, so the contenders take turns, round after
+round (hora, ddp, single, hora, ddp, single, ...), and the median round is reported.
+
+    python benchmarks/torch_vs_ddp.py                         # resnet18, 64x64, batch 16, 2 workers
+    python benchmarks/torch_vs_ddp.py --rounds 5 --iters 30 --json
+
+Throughput is images per second: ``batch x steps / seconds`` with the slowest rank's seconds, per
+worker and in total. ``hora/ddp`` above 1 means hora trains faster; ``X/single`` is the total
+throughput of X over that of one undistributed process (the ideal is the number of workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_FILE = os.path.join(HERE, os.pardir, "examples", "pytorch_synthetic_benchmark.py")
+CONTENDERS = ("hora", "ddp", "single")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    batch_size: int
+    image_size: int
+    warmup: int
+    iters: int
+    threads: int
+    fp16_allreduce: bool = False
+
+
+# ---- what every contender shares -------------------------------------------------------------------
+
+
+def _build(cfg: Config, seed: int):
+    """The model, an SGD optimizer on it, one synthetic batch, and the loss function."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(cfg.threads)
+    spec = importlib.util.spec_from_file_location("_synthetic_models", os.path.normpath(MODEL_FILE))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    model = module.MODELS[cfg.model]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+    target = torch.randint(0, 1000, (cfg.batch_size,))
+    return model, optimizer, data, target, F.cross_entropy
+
+
+def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], None]) -> tuple[float, float]:
+    """Warm up, line the ranks up, then time ``cfg.iters`` steps: (seconds, last loss)."""
+    for _ in range(cfg.warmup):
+        step()
+    barrier()
+    start = time.perf_counter()
+    loss = 0.0
+    for _ in range(cfg.iters):
+        loss = step()
+    return time.perf_counter() - start, loss
+
+
+# ---- the contenders (each function body runs in a worker process) ---------------------------------
+
+
+def hora_worker(cfg: Config) -> dict[str, float] | None:
+    import hora.torch as hvd
+
+    hvd.init()
+    model, optimizer, data, target, loss_fn = _build(cfg, seed=1234 + hvd.rank())
+    compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = loss_fn(model(data), target)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    seconds, loss = _timed_steps(step, cfg, hvd.barrier)
+    slowest = max(hvd.allgather_object(seconds))
+    rank = hvd.rank()
+    hvd.shutdown()
+    return {"seconds": slowest, "loss": loss} if rank == 0 else None
+
+
+def ddp_worker(cfg: Config) -> dict[str, float] | None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hora import config
+
+    # Identity from the hora launcher's environment; the rendezvous is torch's own (MASTER_ADDR/PORT).
+    rank, size = config.get("rank"), config.get("size")
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=120))
+    try:
+        model, optimizer, data, target, loss_fn = _build(cfg, seed=1234 + rank)
+        ddp_model = DistributedDataParallel(model)  # broadcasts rank 0's parameters and buffers
+        if cfg.fp16_allreduce:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+        def step() -> float:
+            optimizer.zero_grad()
+            loss = loss_fn(ddp_model(data), target)
+            loss.backward()
+            optimizer.step()
+            return float(loss.detach())
+
+        seconds, loss = _timed_steps(step, cfg, dist.barrier)
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, seconds)
+        return {"seconds": max(everyone), "loss": loss} if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def single_worker(cfg: Config) -> dict[str, float]:
+    model, optimizer, data, target, loss_fn = _build(cfg, seed=1234)
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = loss_fn(model(data), target)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    seconds, loss = _timed_steps(step, cfg, lambda: None)
+    return {"seconds": seconds, "loss": loss}
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_contender(name: str, cfg: Config, np_: int) -> dict[str, float]:
+    """One timed run of one contender in fresh worker processes: seconds and img/sec."""
+    import hora
+
+    env = {"OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads)}
+    if name == "ddp":
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo"})
+    worker = {"hora": hora_worker, "ddp": ddp_worker, "single": single_worker}[name]
+    workers = 1 if name == "single" else np_
+    result = hora.run(worker, args=(cfg,), np=workers, env=env)[0]
+    per_worker = cfg.batch_size * cfg.iters / result["seconds"]
+    return {"seconds": result["seconds"], "loss": result["loss"], "workers": workers,
+            "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers}
+
+
+def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, Any]:
+    """Median round per contender, and the ratios between medians."""
+    summary: dict[str, Any] = {}
+    for name, results in runs.items():
+        if not results:
+            continue
+        totals = [r["img_sec_total"] for r in results]
+        summary[name] = {
+            "workers": results[0]["workers"],
+            "img_sec_total": statistics.median(totals),
+            "img_sec_per_worker": statistics.median(r["img_sec_per_worker"] for r in results),
+            "img_sec_total_best": max(totals),
+            "img_sec_total_rounds": totals,
+        }
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in summary and b in summary and summary[b]["img_sec_total"] > 0:
+            return summary[a]["img_sec_total"] / summary[b]["img_sec_total"]
+        return None
+
+    summary["ratios"] = {"hora/ddp": ratio("hora", "ddp"), "hora/single": ratio("hora", "single"),
+                         "ddp/single": ratio("ddp", "single")}
+    return summary
+
+
+def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -> str:
+    lines = [
+        f"# {cfg.model}, {cfg.image_size}x{cfg.image_size} images, batch {cfg.batch_size} per worker, "
+        f"{cfg.threads} thread(s) per worker, {cfg.iters} timed steps after {cfg.warmup} warm-up; "
+        f"median of {rounds} interleaved round(s)",
+        f"{'contender':<28}{'workers':>8}{'img/sec total':>15}{'per worker':>12}{'best total':>12}",
+    ]
+    labels = {"hora": "hora DistributedOptimizer", "ddp": "torch DDP (gloo)", "single": "1 process, no distribution"}
+    for name in CONTENDERS:
+        row = summary.get(name)
+        if row is None:
+            continue
+        lines.append(f"{labels[name]:<28}{row['workers']:>8d}{row['img_sec_total']:>15.1f}"
+                     f"{row['img_sec_per_worker']:>12.1f}{row['img_sec_total_best']:>12.1f}")
+    for key, value in summary["ratios"].items():
+        if value is not None:
+            lines.append(f"ratio {key}: {value:.3f}")
+    if summary["ratios"]["hora/single"] is not None:
+        lines.append(f"# X/single: total throughput over one process (ideal: {np_})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=2, help="workers for hora and DDP (default 2)")
+    parser.add_argument("--model", default="resnet18", help="a model of the synthetic benchmark (default resnet18)")
+    parser.add_argument("--batch-size", type=int, default=16, help="images per worker per step (default 16)")
+    parser.add_argument("--image-size", type=int, default=64, help="image height and width (default 64)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker, the same for all (default: cores // np, at least 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported (default 3)")
+    parser.add_argument("--fp16-allreduce", action="store_true",
+                        help="fp16 gradients on the wire (hora: Compression.fp16; DDP: fp16_compress_hook)")
+    parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of hora,ddp,single")
+    parser.add_argument("--json", action="store_true", help="print the summary and every round as JSON")
+    args = parser.parse_args(argv)
+    if args.np < 2 or args.rounds < 1 or args.iters < 1 or args.warmup < 0:
+        parser.error("need -np >= 2, --rounds >= 1, --iters >= 1 and --warmup >= 0")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.np)
+    cfg = Config(args.model, args.batch_size, args.image_size, args.warmup, args.iters, threads, args.fp16_allreduce)
+    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"--only: unknown contender(s) {unknown}; choose from {','.join(CONTENDERS)}")
+
+    def note(text: str) -> None:
+        print(f"# {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS if name in wanted}
+    for round_index in range(args.rounds):
+        for name in runs:
+            started = time.monotonic()
+            result = run_contender(name, cfg, args.np)
+            runs[name].append(result)
+            note(f"round {round_index + 1}/{args.rounds}: {name:<6} {result['img_sec_total']:8.1f} img/sec total "
+                 f"({result['workers']} worker(s), final loss {result['loss']:.3f}; "
+                 f"{time.monotonic() - started:.1f} s with start-up)")
+    summary = summarise(runs, args.np)
+    if args.json:
+        print(json.dumps({"config": asdict(cfg), "np": args.np, "rounds": args.rounds,
+                          "summary": summary, "runs": runs}, indent=1))
+    else:
+        print(format_report(summary, cfg, args.np, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
