@@ -22,6 +22,7 @@ from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.server import RendezvousServer
 from hora.transport import create_communicator
+from hora.transport.world import Topology, form_world
 from hora.transport.base import Communicator
 
 logger = logging.getLogger("hora")
@@ -154,16 +155,18 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
         generation = next(_ctx.generation)
         scope = f"{config.get('job_id') or 'job'}/init{generation}/{'-'.join(map(str, members)) if comm is not None else 'world'}"
         try:
-            world = create_communicator("tcp", members.index(my_rank), members, store, scope, secret)
+            world, topology = form_world(members.index(my_rank), members, store, scope, secret)
         except BaseException:
             store.close()
             raise
         _ctx.store, _ctx.secret, _ctx.scope, _ctx.world = store, secret, scope, world
-        _ctx.topology = _topology(world, my_rank, members)
+        _ctx.topology = _topology(world, topology)
 
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
             # Process-set members are ranks of this world (what hora.rank() returns).
-            return create_communicator("tcp", index, set_members, store, f"{scope}/{tag}", secret)
+            same_host = len({topology.machines[m] for m in set_members}) == 1
+            kind = "shm" if same_host and len(set_members) > 1 and config.get("transport") != "tcp" else "tcp"
+            return create_communicator(kind, index, set_members, store, f"{scope}/{tag}", secret)
 
         timeline = None
         path = config.get("timeline")
@@ -180,16 +183,16 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
             add_process_set(ps)
 
 
-def _topology(world: Communicator, my_rank: int, members: list[int]) -> _Topology:
-    local_rank = config.get("local_rank")
-    local_size = config.get("local_size")
-    cross_rank = config.get("cross_rank")
-    cross_size = config.get("cross_size")
-    if local_rank is None or world.size != (config.get("size") or 1):
-        local_rank, local_size, cross_rank, cross_size = world.rank, world.size, 0, 1
-    sizes = world.allgather_object(local_size)
-    return _Topology(world.rank, world.size, local_rank, local_size, cross_rank, cross_size,
-                     homogeneous=len(set(sizes)) == 1)
+def _topology(world: Communicator, topology: Topology) -> _Topology:
+    """Local and cross ranks as the transport found them (the launcher's claims are checked)."""
+    me = world.rank
+    local_rank, local_size = topology.local(me)
+    cross_rank, cross_size = topology.cross(me)
+    claimed = config.get("local_rank")
+    if claimed is not None and world.size == (config.get("size") or 1) and claimed != local_rank:
+        logger.warning("rank %d: the launcher says local rank %s, but ranks sharing this host make it %d",
+                       me, claimed, local_rank)
+    return _Topology(me, world.size, local_rank, local_size, cross_rank, cross_size, topology.homogeneous)
 
 
 def shutdown() -> None:

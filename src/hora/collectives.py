@@ -27,7 +27,11 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def _as_array(tensor: Any, what: str = "tensor") -> np.ndarray:
-    arr = tensor if type(tensor) is np.ndarray and tensor.flags.c_contiguous else np.ascontiguousarray(tensor)
+    arr = tensor
+    if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
+        arr = np.asarray(tensor)  # not np.ascontiguousarray alone: it turns a scalar into shape (1,)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
     if arr.dtype not in _SUPPORTED:
         raise TypeError(
             f"{what} has dtype {arr.dtype}; hora supports "

@@ -110,6 +110,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("unix_sockets", True, _parse_bool,
          "Connect ranks on the same host through Unix-domain sockets (faster than loopback TCP).",
          horovod_alias=False),
+    Knob("shm_segment_bytes", 256 * MiB, _parse_nonneg_int,
+         "Largest shared-memory segment per rank; larger messages go through it in chunks.",
+         horovod_alias=False),
+    Knob("transport", "auto", _parse_str,
+         "Transport between ranks: auto (shared memory within a host, TCP otherwise), shm or tcp.",
+         horovod_alias=False),
     Knob("socket_buffer_bytes", 4 * MiB, _parse_nonneg_int,
          "SO_SNDBUF/SO_RCVBUF for peer sockets (0 keeps the OS default).", horovod_alias=False),
     # Engine (read by later layers; listed here so every knob lives in one table).

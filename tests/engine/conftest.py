@@ -14,7 +14,3 @@ def no_hora_env(monkeypatch: pytest.MonkeyPatch) -> None:
         if key.startswith(("HORA_", "HOROVOD_")):
             monkeypatch.delenv(key)
 
-
-def job_env(**knobs: object) -> dict[str, str]:
-    """Worker environment entries for hora knobs, e.g. ``job_env(cycle_time=1)``."""
-    return {f"HORA_{key.upper()}": str(value) for key, value in knobs.items()}

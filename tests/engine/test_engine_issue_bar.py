@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hora
-from conftest import job_env
+from engine_helpers import job_env
 from hora.errors import WorkerFailedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +107,7 @@ def _bar_job() -> dict[str, Any]:
     engine = basics.engine()
     names = [f"step.{i}" for i in range(PER_STEP)][:: -1 if r % 2 else 1]
     inputs = {name: np.full(64, float(i + r), np.float32) for i, name in enumerate(sorted(names))}
-    expected = {name: np.full(64, float(2 * i + 1) * n / 2, np.float32) for i, name in enumerate(sorted(names))}
+    expected = {name: np.full(64, n * i + n * (n - 1) / 2, np.float32) for i, name in enumerate(sorted(names))}
     durations, memory, wrong = np.zeros(STEPS), {}, 0  # preallocated: the probes below count blocks
     rounds_after_first = None
     for step in range(1, STEPS + 1):

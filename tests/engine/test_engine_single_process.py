@@ -114,7 +114,10 @@ def test_allreduce_variants_at_size_1(solo):
     handles = hora.grouped_allreduce_async([x, x], name="grp_async")
     assert all(np.array_equal(hora.synchronize(h), x) for h in handles)
     assert hora.grouped_allreduce([], name="empty") == []
-    np.testing.assert_array_equal(hora.allreduce(np.float64(2.5), name="scalar"), 2.5)
+    for scalar in (np.float64(2.5), 2.5, np.array(2.5)):  # a scalar stays 0-d
+        out = hora.allreduce(scalar, name="scalar")
+        assert out.shape == () and float(out) == 2.5
+    assert hora.allreduce(np.ones((4, 6), np.float32)[:, ::2], name="strided").shape == (4, 3)
     np.testing.assert_array_equal(hora.allreduce([1.0, 2.0], name="list"), [1.0, 2.0])
     booleans = np.array([True, False])
     np.testing.assert_array_equal(hora.allreduce(booleans, op=hora.Max, name="bool"), booleans)

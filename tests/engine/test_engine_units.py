@@ -409,3 +409,27 @@ def test_timeline_marks_cycles_only_when_asked(tmp_path):
     marked.close()
     [event] = json.loads((tmp_path / "marked.json").read_text())
     assert event["name"] == "CYCLE_START" and event["ph"] == "i"
+
+
+def test_timeline_drops_an_end_without_a_begin_so_spans_stay_balanced(tmp_path):
+    path = tmp_path / "balanced.json"
+    tl = Timeline(str(path))
+    tl.negotiate_end("late", "ALLREDUCE")  # began before this timeline existed
+    tl.end("late", "ALLREDUCE", "float32", (1,))
+    assert not tl.is_open("a", "NEGOTIATE_ALLREDUCE")
+    tl.negotiate_start("a", "ALLREDUCE")
+    assert tl.is_open("a", "NEGOTIATE_ALLREDUCE")
+    tl.negotiate_end("a", "ALLREDUCE")
+    assert not tl.is_open("a", "NEGOTIATE_ALLREDUCE")
+    tl.activity_start("a", "QUEUE")
+    tl.activity_start("a", "QUEUE")
+    tl.activity_end("a", "QUEUE")
+    assert tl.is_open("a", "QUEUE")
+    tl.activity_end("a", "QUEUE")
+    tl.close()
+    events = json.loads(path.read_text())
+    assert [(e["ph"], e["name"]) for e in events if e["ph"] in "BE"] == [
+        ("B", "NEGOTIATE_ALLREDUCE"), ("E", "NEGOTIATE_ALLREDUCE"),
+        ("B", "QUEUE"), ("B", "QUEUE"), ("E", "QUEUE"), ("E", "QUEUE"),
+    ]
+    assert "late" not in {e["args"]["name"] for e in events if e["name"] == "process_name"}

@@ -337,8 +337,11 @@ class Engine:
             for member, signatures in enumerate(gathered):
                 if tl is not None:
                     for name, sig in signatures:
-                        if not coordinator.is_pending(name) and sig.kind != Kind.JOIN:
-                            tl.negotiate_start(name, sig.kind.value)
+                        # Opened by the first report the timeline sees (it may have started
+                        # after other ranks' reports of this name reached the coordinator).
+                        kind = sig.kind.value
+                        if sig.kind != Kind.JOIN and not tl.is_open(name, f"NEGOTIATE_{kind}"):
+                            tl.negotiate_start(name, kind)
                         tl.negotiate_rank_ready(name, state.members[member])
                 coordinator.submit(member, signatures, now)
             responses = coordinator.ready()

@@ -137,6 +137,9 @@ class Executor:
         #: Called for each item just before its handle completes (the engine's bookkeeping must be
         #: done by then: a caller may resubmit the same name the moment its handle is done).
         self.before_complete: Callable[[Item], None] = lambda item: None
+        # (item, result or error, failed): handles of the running bucket, completed only once its
+        # timeline events are written, so a stop_timeline() right after synchronize() loses none.
+        self._finishing: list[tuple[Item, object, bool]] = []
 
     def run(self, items: list[Item]) -> None:
         tl = self.timeline
@@ -151,6 +154,9 @@ class Executor:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        allocate = getattr(self.comm, "allocate", None)
+        if allocate is not None:  # a transport buffer (shared memory) saves the transport a copy
+            return allocate(count * np.dtype(dtype).itemsize).view(dtype)[:count]
         key = np.dtype(dtype).str
         buf = self._fusion.get(key)
         if buf is None or buf.size < count:
@@ -173,13 +179,12 @@ class Executor:
         first = items[0].response
         kind = first.signature.kind
         error: str | None = None
+        self._finishing = []
         try:
             if first.error is not None:
                 error = first.error
                 for item in items:
-                    self.before_complete(item)
-                    if item.request is not None:
-                        item.request.handle.set_error(RuntimeError(item.response.error))
+                    self._finishing.append((item, RuntimeError(item.response.error), True))
             elif kind == Kind.ALLREDUCE:
                 self._allreduce(items)
             elif kind == Kind.ALLGATHER:
@@ -202,14 +207,20 @@ class Executor:
                 for item in items:
                     sig = item.response.signature
                     tl.end(item.response.name, kind.value, sig.dtype, sig.shape, error)
+            finishing, self._finishing = self._finishing, []
+            for item, outcome, failed in finishing:
+                self.before_complete(item)
+                if item.request is not None:
+                    if failed:
+                        item.request.handle.set_error(outcome)  # type: ignore[arg-type]
+                    else:
+                        item.request.handle.set_result(outcome)
 
     def _global_rank(self, member: int) -> int:
         return self.members[member] if member >= 0 else member
 
     def _complete(self, item: Item, result: object) -> None:
-        self.before_complete(item)
-        if item.request is not None:
-            item.request.handle.set_result(result)
+        self._finishing.append((item, result, False))
 
     # ---- allreduce ----------------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ class Timeline:
         self.path = path
         self.mark_cycles = mark_cycles
         self._pids: dict[str, int] = {}
+        # Open "B" spans per (tensor, event name): an "E" with no open "B" (a timeline started while
+        # that tensor was already on its way) is dropped, so every span in the file is balanced.
+        self._open: dict[tuple[str, str], int] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._t0 = time.monotonic()
         directory = os.path.dirname(os.path.abspath(path))
@@ -46,7 +49,19 @@ class Timeline:
             self._queue.put({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         return pid
 
+    def is_open(self, name: str, event: str) -> bool:
+        """Whether a span ``event`` of tensor ``name`` has begun and not yet ended."""
+        return (name, event) in self._open
+
     def _emit(self, name: str, ph: str, event: str, args: dict | None = None, tid: int = 0) -> None:
+        if ph == "B":
+            self._open[(name, event)] = self._open.get((name, event), 0) + 1
+        elif ph == "E":
+            depth = self._open.pop((name, event), 0)
+            if depth == 0:
+                return
+            if depth > 1:
+                self._open[(name, event)] = depth - 1
         record = {"name": event, "ph": ph, "ts": self._now_us(), "pid": self._pid(name), "tid": tid}
         if args:
             record["args"] = args

@@ -43,10 +43,12 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
 
 def from_array(array: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor holding ``array`` (shared memory on CPU), moved to ``like``'s device if given."""
+    # np.ascontiguousarray returns at least one dimension: keep 0-d results 0-d.
+    contiguous = np.ascontiguousarray(array).reshape(array.shape)
     if array.dtype == ml_dtypes.bfloat16:
-        t = torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+        t = torch.from_numpy(contiguous.view(np.int16)).view(torch.bfloat16)
     else:
-        t = torch.from_numpy(np.ascontiguousarray(array))
+        t = torch.from_numpy(contiguous)
     if like is not None and like.device.type != "cpu":
         t = t.to(like.device)
     return t

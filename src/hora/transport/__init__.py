@@ -14,11 +14,13 @@ from hora.transport.base import (
     ReduceOp,
     TransportUnavailable,
 )
+from hora.transport.shm import ShmCommunicator
 from hora.transport.tcp import TcpCommunicator
 from hora.rendezvous.client import RendezvousClient
 
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {
     "tcp": TcpCommunicator,
+    "shm": ShmCommunicator,
 }
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "TRANSPORTS",
     "Communicator",
     "ReduceOp",
+    "ShmCommunicator",
     "TcpCommunicator",
     "TransportUnavailable",
     "create_communicator",

@@ -1,0 +1,304 @@
+"""Shared-memory transport for ranks on one host.
+
+Every rank maps every other rank's segment (see :mod:`shm_segment`). An allreduce then moves no
+bytes through the kernel at all: each rank reduces its 1/n share of the buffer by reading that share
+from every segment, and everyone copies the finished shares out. If the caller's buffer already lives
+in this rank's segment (the engine's fusion buffer does: :meth:`allocate`), nothing is copied in.
+
+Ranks synchronise through counters in their segments: each rank writes only its own, and waits by
+polling the others' (yielding the GIL while it waits). A peer that dies is noticed by its process
+disappearing or its abort flag, within milliseconds. Collectives that gain nothing from shared memory
+(alltoall, object exchange) use the TCP mesh this class inherits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+
+from hora import config
+from hora.errors import PeerFailureError
+from hora.transport.base import ReduceOp, TransportUnavailable, check_buffer, check_counts
+from hora.transport.reduce import check_op, reduction_ufunc
+from hora.transport.shm_segment import Segment
+from hora.transport.tcp import TcpCommunicator, _offsets, _split
+from hora.transport.tcp_mesh import local_machine_id
+
+logger = logging.getLogger(__name__)
+
+_EPOCH, _ABORT, _OFFSET = 0, 1, 2
+_SPIN_CHECKS = 200
+_LIVENESS_EVERY_S = 0.05
+
+
+class ShmCommunicator(TcpCommunicator):
+    """Collectives through shared memory among ranks of one host."""
+
+    name = "shm"
+    activity = "SHM"
+
+    def __init__(self, rank, members, store, scope, secret, timeout=None, listen_host=None) -> None:
+        super().__init__(rank, members, store, scope, secret, timeout=timeout, listen_host=listen_host)
+        machines = self.allgather_object(local_machine_id())
+        if len(set(machines)) != 1 or not machines[0]:
+            self.close()
+            raise TransportUnavailable(
+                f"rank {self.global_rank}: the shared-memory transport needs every rank on one host; "
+                "use the tcp transport (or hierarchical allreduce) across hosts"
+            )
+        self._pids = self.allgather_object(os.getpid())
+        self._max_bytes = int(config.get("shm_segment_bytes"))
+        self._segments: list[Segment] = []
+        self._generation = 0
+        self._epoch = 0
+        self._ensure(1 << 20)
+
+    # ---- segments -----------------------------------------------------------------------------
+
+    @property
+    def _own(self) -> Segment:
+        return self._segments[self._rank]
+
+    def _ensure(self, nbytes: int) -> bool:
+        """Make every segment hold ``nbytes`` (collective: all ranks ask for the same size).
+
+        Returns False when ``nbytes`` exceeds the configured maximum (callers then work in chunks).
+        """
+        if self._segments and self._own.capacity >= nbytes:
+            return True
+        if self._segments and self._own.capacity >= self._max_bytes:
+            return False
+        want = min(self._max_bytes, max(nbytes, 2 * (self._own.capacity if self._segments else 0)))
+        self._generation += 1
+        prefix = f"{self._scope}/shm/{self._generation}"
+        try:
+            mine: Segment | None = Segment.create(f"hora-{os.getpid()}", want)
+            entry = f"{mine.path}:{mine.capacity}"
+        except OSError as exc:  # /dev/shm full or missing: say so to the peers, who then agree to chunk
+            logger.warning("rank %d: cannot create a %d-byte shared-memory segment (%s)", self.global_rank, want, exc)
+            mine, entry = None, "unavailable"
+        try:
+            self._store.set(f"{prefix}/path/{self.global_rank}", entry.encode())
+            entries = [self._store.get(f"{prefix}/path/{m}", self.timeout).decode() for m in self._members]
+            if "unavailable" in entries:
+                if mine is not None:
+                    mine.close()
+                self._max_bytes = self._own.capacity if self._segments else 0
+                if not self._segments:
+                    raise TransportUnavailable("shared memory is unavailable on this host (/dev/shm)")
+                return False
+            segments = []
+            for i, text in enumerate(entries):
+                path, cap = text.rsplit(":", 1)
+                segments.append(mine if i == self._rank else Segment.attach(path, int(cap)))
+            self._store.set(f"{prefix}/attached/{self.global_rank}", b"1")
+            missing = self._store.wait([f"{prefix}/attached/{m}" for m in self._members], self.timeout)
+            if missing:
+                raise PeerFailureError(f"rank {self.global_rank}: ranks never mapped the shared memory: {missing}")
+        finally:
+            if mine is not None:
+                mine.unlink()  # every peer has mapped it (or the job is failing): leave nothing in /dev/shm
+        for old in self._segments:
+            old.close()
+        self._segments = segments
+        self._epoch = 0
+        return want >= nbytes
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A byte buffer in this rank's segment (collective), so allreduce on it copies nothing in.
+
+        Every call may return the same memory: use one buffer at a time. Falls back to ordinary
+        memory when the request exceeds the segment limit.
+        """
+        with self._lock:
+            self._check_open("allocate")
+            if self.size > 1 and self._ensure(nbytes):
+                return self._own.data[:nbytes]
+        return np.empty(nbytes, dtype=np.uint8)
+
+    # ---- synchronisation ----------------------------------------------------------------------
+
+    def _arrive(self, offset: int = 0) -> None:
+        self._epoch += 1
+        own = self._own.ctrl
+        own[_OFFSET] = offset
+        own[_EPOCH] = self._epoch  # written last: x86 keeps stores in order
+
+    def _wait_all(self) -> None:
+        target = self._epoch
+        deadline = time.monotonic() + self.timeout
+        next_liveness = time.monotonic() + _LIVENESS_EVERY_S
+        for member, segment in enumerate(self._segments):
+            if member == self._rank:
+                continue
+            ctrl = segment.ctrl
+            checks = 0
+            while ctrl[_EPOCH] < target:
+                if ctrl[_ABORT]:
+                    raise PeerFailureError(
+                        f"rank {self._members[member]} aborted the collective after a failure", self._members[member])
+                checks += 1
+                if checks < _SPIN_CHECKS:
+                    continue
+                time.sleep(0 if checks < 4 * _SPIN_CHECKS else 20e-6)  # let other threads have the GIL
+                now = time.monotonic()
+                if now >= next_liveness:
+                    next_liveness = now + _LIVENESS_EVERY_S
+                    self._check_alive(member)
+                    if now >= deadline:
+                        error = PeerFailureError(
+                            f"no progress from rank {self._members[member]} for {self.timeout:.0f} s "
+                            "(it may be hung or stuck outside the collective; see HORA_TRANSPORT_TIMEOUT)",
+                            self._members[member])
+                        error.timed_out = True
+                        raise error
+
+    def _check_alive(self, member: int) -> None:
+        try:
+            os.kill(self._pids[member], 0)
+        except ProcessLookupError:
+            raise PeerFailureError(
+                f"rank {self._members[member]} (pid {self._pids[member]}) died", self._members[member]) from None
+        except PermissionError:
+            pass
+
+    def _sync(self, offset: int = 0) -> None:
+        self._arrive(offset)
+        self._wait_all()
+
+    def _fail(self, what: str, reason: str, failed_rank: int | None) -> None:
+        if self._segments:
+            self._own.ctrl[_ABORT] = 1
+        super()._fail(what, reason, failed_rank)
+
+    def _peer_view(self, member: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        segment = self._segments[member]
+        offset = int(segment.ctrl[_OFFSET])
+        return segment.data[offset : offset + nbytes].view(dtype)
+
+    # ---- collectives --------------------------------------------------------------------------
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
+        self._check_open("allreduce")
+        check_buffer(buf)
+        check_op(op, buf.dtype)
+        if self.size == 1 or buf.size == 0:
+            return
+        flat = buf.reshape(-1)
+        with self._collective("allreduce"):
+            if self._own.owns(flat):
+                self._allreduce_staged(flat, op, self._own.offset_of(flat), out=None)
+                return
+            fits = self._ensure(flat.nbytes)
+            step = max(1, self._own.capacity // flat.itemsize) if not fits else flat.size
+            for lo in range(0, flat.size, step):
+                chunk = flat[lo : lo + step]
+                self._own.data[: chunk.nbytes].view(flat.dtype)[...] = chunk
+                self._allreduce_staged(self._own.data[: chunk.nbytes].view(flat.dtype), op, 0, out=chunk)
+
+    def _allreduce_staged(self, staged: np.ndarray, op: ReduceOp, offset: int, out: np.ndarray | None) -> None:
+        """Every rank's input is staged in its segment at ``offset``; reduce, then gather the shares.
+
+        ``out`` None means the result belongs in ``staged`` itself (the zero-copy path).
+        """
+        ufunc = reduction_ufunc(op, staged.dtype)
+        count, nbytes = staged.size, staged.nbytes
+        bounds = _split(count, self.size)
+        self._sync(offset)  # everyone's input is in place
+        views = [staged if m == self._rank else self._peer_view(m, nbytes, staged.dtype) for m in range(self.size)]
+        lo, hi = bounds[self._rank], bounds[self._rank + 1]
+        if hi > lo:
+            mine = views[self._rank][lo:hi]
+            for m in range(self.size):
+                if m != self._rank:
+                    ufunc(mine, views[m][lo:hi], out=mine)
+        self._sync(offset)  # every share is reduced
+        target = staged if out is None else out
+        for m in range(self.size):
+            a, b = bounds[m], bounds[m + 1]
+            if b > a and (m != self._rank or out is not None):
+                target[a:b] = views[m][a:b]
+        self._sync(offset)  # nobody reads the segments any more: they may be reused
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        self._check_open("broadcast")
+        check_buffer(buf)
+        self._check_root(root)
+        if self.size == 1 or buf.size == 0:
+            return
+        flat = buf.reshape(-1).view(np.uint8)
+        with self._collective("broadcast"):
+            fits = self._ensure(flat.nbytes)
+            step = flat.nbytes if fits else self._own.capacity
+            for lo in range(0, flat.nbytes, step):
+                chunk = flat[lo : lo + step]
+                if self._rank == root:
+                    self._own.data[: chunk.nbytes] = chunk
+                self._sync(0)
+                if self._rank != root:
+                    chunk[...] = self._peer_view(root, chunk.nbytes, np.uint8)
+                self._sync(0)
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        self._check_open("allgather")
+        check_buffer(send, "send buffer")
+        check_buffer(recv, "receive buffer")
+        counts = check_counts(counts, self.size, "counts")
+        isz = send.itemsize
+        if max(counts) * isz > self._max_bytes or self.size == 1:
+            return super().allgather(send, recv, counts)
+        if recv.dtype != send.dtype or send.size != counts[self._rank] or recv.size != sum(counts):
+            return super().allgather(send, recv, counts)  # the parent's checks raise the right error
+        offsets = _offsets(counts)
+        rflat = recv.reshape(-1)
+        with self._collective("allgather"):
+            self._ensure(max(counts) * isz)
+            mine = send.reshape(-1)
+            self._own.data[: mine.nbytes].view(send.dtype)[...] = mine
+            self._sync(0)
+            for m in range(self.size):
+                part = rflat[offsets[m] : offsets[m + 1]]
+                part[...] = mine if m == self._rank else self._peer_view(m, part.nbytes, send.dtype)
+            self._sync(0)
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int],
+                      op: ReduceOp = ReduceOp.SUM) -> None:
+        self._check_open("reducescatter")
+        check_buffer(send, "send buffer")
+        check_buffer(recv, "receive buffer")
+        check_op(op, send.dtype)
+        counts = check_counts(counts, self.size, "counts")
+        offsets = _offsets(counts)
+        if (self.size == 1 or send.nbytes > self._max_bytes or recv.dtype != send.dtype
+                or send.size != offsets[-1] or recv.size != counts[self._rank]):
+            return super().reducescatter(send, recv, counts, op)
+        ufunc = reduction_ufunc(op, send.dtype)
+        sflat, rflat = send.reshape(-1), recv.reshape(-1)
+        with self._collective("reducescatter"):
+            self._ensure(send.nbytes)
+            staged = self._own.data[: sflat.nbytes].view(sflat.dtype)
+            staged[...] = sflat
+            self._sync(0)
+            lo, hi = offsets[self._rank], offsets[self._rank + 1]
+            rflat[...] = staged[lo:hi]
+            for m in range(self.size):
+                if m != self._rank and hi > lo:
+                    ufunc(rflat, self._peer_view(m, sflat.nbytes, sflat.dtype)[lo:hi], out=rflat)
+            self._sync(0)
+
+    def barrier(self) -> None:
+        self._check_open("barrier")
+        if self.size == 1:
+            return
+        with self._collective("barrier"):
+            self._sync(0)
+
+    def close(self) -> None:
+        for segment in getattr(self, "_segments", []):
+            segment.close()
+        self._segments = []
+        super().close()

@@ -1,0 +1,78 @@
+"""Shared-memory segments in /dev/shm: one per rank, mapped by every rank of the host.
+
+Each segment is a small control block (int64 counters this rank alone writes) followed by a data
+area. Files are created with mode 0600 under random names and unlinked as soon as every peer has
+mapped them, so nothing is left in /dev/shm even if every process is killed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+CTRL_WORDS = 16  # [0] barrier epoch, [1] abort flag, rest reserved
+CTRL_BYTES = CTRL_WORDS * 8
+ALIGN = 4096
+
+
+class Segment:
+    """A mapped segment: ``ctrl`` (int64 counters) and ``data`` (bytes)."""
+
+    def __init__(self, path: str, nbytes: int, create: bool) -> None:
+        self.path = path
+        self.capacity = nbytes
+        total = CTRL_BYTES + nbytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, total)  # reserve now: a full tmpfs fails here, not as SIGBUS later
+                except OSError:
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(path)
+                    raise
+            self._map = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self.ctrl = np.frombuffer(self._map, dtype=np.int64, count=CTRL_WORDS)
+        self.data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=CTRL_BYTES)
+
+    @classmethod
+    def create(cls, prefix: str, nbytes: int) -> "Segment":
+        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        path = os.path.join(SHM_DIR, f"{prefix}-{secrets.token_hex(8)}")
+        return cls(path, nbytes, create=True)
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> "Segment":
+        return cls(path, nbytes, create=False)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def owns(self, array: np.ndarray) -> bool:
+        """Whether ``array`` lies inside this segment's data area."""
+        base = self.data.ctypes.data
+        start = array.ctypes.data
+        return base <= start and start + array.nbytes <= base + self.capacity
+
+    def offset_of(self, array: np.ndarray) -> int:
+        return array.ctypes.data - self.data.ctypes.data
+
+    def close(self) -> None:
+        self.ctrl = None  # type: ignore[assignment]
+        self.data = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the last reference

@@ -1,0 +1,584 @@
+"""hora.torch.DistributedOptimizer on 2 ranks against a 1-worker reference computed in the same job.
+
+The bar: 2 workers that each take half of every batch end with the weights 1 worker gets on the whole
+batch (the loss is a mean over the batch, so the average of the two half-batch gradients is the
+whole-batch gradient). The reference runs on rank 0 with plain torch, from the same initial weights.
+Every section gives its parameters a section-specific name (``named``) so that one section that fails
+half-way cannot leave a request in flight under a name the next section uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch_job import JobResults, run_job  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 20
+BATCH = 16  # global batch; each of the 2 ranks takes 8 rows
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def data(step: int, rows: int = BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(rows, 5, generator=g), torch.randn(rows, 2, generator=g)
+
+
+def make_model(seed: int = 1):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def named(model, prefix: str):
+    return [(f"{prefix}.{name}", p) for name, p in model.named_parameters()]
+
+
+def weights(model) -> list:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def mse(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference_train(make_opt, steps: int = STEPS, before_step=None, scheduler=None):
+    """1 worker, whole batch: the weights the distributed runs must reach."""
+    model = make_model()
+    opt = make_opt(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    for s in range(steps):
+        x, y = data(s)
+        opt.zero_grad()
+        mse(model, x, y).backward()
+        if before_step:
+            before_step(model)
+        opt.step()
+        if sched:
+            sched.step()
+    return weights(model)
+
+
+# ---- the job ----------------------------------------------------------------------------------
+
+
+def _job() -> list:
+    import copy
+    import warnings
+
+    import hora.torch as hvd
+
+    r, n = hvd.rank(), hvd.size()
+    half = BATCH // n
+
+    def shard(step):
+        x, y = data(step)
+        return x[r * half : (r + 1) * half], y[r * half : (r + 1) * half]
+
+    def train(opt, model, steps=STEPS, before_step=None, sched=None):
+        for s in range(steps):
+            x, y = shard(s)
+            opt.zero_grad()
+            mse(model, x, y).backward()
+            if before_step:
+                before_step(model, opt)
+            opt.step()
+            if sched:
+                sched.step()
+        return weights(model)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=0.01)
+
+    def with_reference(make_opt, dist_weights, **ref_kwargs):
+        out = {"weights": dist_weights}
+        if r == 0:
+            out["reference"] = reference_train(make_opt, **ref_kwargs)
+        return out
+
+    def equivalence(make_opt, prefix, **kwargs):
+        def section():
+            model = make_model()
+            opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=named(model, prefix),
+                                           **kwargs)
+            return with_reference(make_opt, train(opt, model))
+        return section
+
+    # (b) backward_passes_per_step=k: Horovod sums the gradients of the k local passes, then
+    # averages across ranks. So each micro-batch loss is scaled by 1/k: the k scaled gradients add
+    # up to the gradient of this rank's mean loss, and the average over ranks is the gradient of the
+    # whole batch's mean loss, as 1 worker computes it on k times larger batches.
+    def accumulate(k, use_setter):
+        def section():
+            model = make_model()
+            if use_setter:
+                opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, f"bpps.set{k}"))
+                opt.set_backward_passes_per_step(k)
+            else:
+                opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, f"bpps{k}"),
+                                               backward_passes_per_step=k)
+            micro = BATCH // (n * k)
+            for s in range(10):
+                x, y = data(s)
+                opt.zero_grad()
+                for i in range(k):
+                    rows = slice((r * k + i) * micro, (r * k + i + 1) * micro)
+                    (mse(model, x[rows], y[rows]) / k).backward()
+                opt.step()
+            return with_reference(sgd, weights(model), steps=10)
+        return section
+
+    def fp16_gradients():
+        # one step: the averaged gradients equal the exact whole-batch gradient within fp16 precision
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "fp16.grad"),
+                                       compression=hvd.Compression.fp16)
+        x, y = shard(0)
+        mse(model, x, y).backward()
+        opt.synchronize()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()
+        ref = make_model()
+        mse(ref, *data(0)).backward()
+        return {"grads": grads, "dtypes": [g.dtype for g in grads], "reference": [p.grad for p in ref.parameters()]}
+
+    def hook_order_two_losses():
+        # Six independent layers, one loss each; rank 0 calls backward on them in order, rank 1 in
+        # reverse, so gradient hooks (and the allreduces they start) fire in opposite orders.
+        torch.manual_seed(3)
+        layers = torch.nn.ModuleList(torch.nn.Linear(3, 1) for _ in range(6))
+        ref = copy.deepcopy(layers)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.1),
+                                       named_parameters=named(layers, "order.losses"))
+        fired = []
+        for i, layer in enumerate(layers):
+            layer.weight.register_post_accumulate_grad_hook(lambda p, i=i: fired.append(i))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            xs, ys = torch.randn(n, 4, 3, generator=g), torch.randn(n, 4, 1, generator=g)
+            opt.zero_grad()
+            order = range(6) if r == 0 else reversed(range(6))
+            for i in order:
+                mse(layers[i], xs[r], ys[r]).backward()
+            opt.step()
+            # reference: the average over ranks of each rank's loss
+            ref_opt.zero_grad()
+            sum(mse(ref[i], xs[k], ys[k]) for i in range(6) for k in range(n)).div(n).backward()
+            ref_opt.step()
+        return {"fired": fired[:6], "weights": weights(layers), "reference": weights(ref)}
+
+    def hook_order_one_backward():
+        # Rank 0 computes b(a(x)), rank 1 a(b(x)): in one backward pass their hooks fire in opposite
+        # orders (the layer nearest the loss first).
+        torch.manual_seed(4)
+        a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        model = torch.nn.ModuleDict({"a": a, "b": b})
+        ref = copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                       named_parameters=named(model, "order.one"))
+        fired = []
+        a.weight.register_post_accumulate_grad_hook(lambda p: fired.append("a"))
+        b.weight.register_post_accumulate_grad_hook(lambda p: fired.append("b"))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+
+        def loss(m, k, x, y):
+            out = m["b"](m["a"](x)) if k == 0 else m["a"](m["b"](x))
+            return torch.nn.functional.mse_loss(out, y)
+
+        for s in range(3):
+            g = torch.Generator().manual_seed(10 + s)
+            xs, ys = torch.randn(n, 4, 3, generator=g), torch.randn(n, 4, 3, generator=g)
+            opt.zero_grad()
+            loss(model, r, xs[r], ys[r]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            sum(loss(ref, k, xs[k], ys[k]) for k in range(n)).div(n).backward()
+            ref_opt.step()
+        return {"fired": fired[:2], "weights": weights(model), "reference": weights(ref)}
+
+    def missing_gradients():
+        # "used" gets gradients everywhere, "rank0" only on rank 0, "never" on no rank.
+        torch.manual_seed(5)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 1), "rank0": torch.nn.Linear(3, 1),
+                                     "never": torch.nn.Linear(3, 1)})
+        ref = copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=named(model, "missing"))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+        def loss(m, k, x):
+            out = m["used"](x) + (m["rank0"](x) if k == 0 else 0)
+            return (out ** 2).mean()
+
+        for s in range(3):
+            xs = torch.randn(n, 4, 3, generator=torch.Generator().manual_seed(20 + s))
+            opt.zero_grad()
+            loss(model, r, xs[r]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            sum(loss(ref, k, xs[k]) for k in range(n)).div(n).backward()
+            ref_opt.step()
+        return {"weights": weights(model), "reference": weights(ref),
+                "never_initial": weights(ref["never"])}
+
+    def groups_variant(kind):
+        def section():
+            model = make_model()
+            params = list(model.parameters())
+            kwargs = {"int": {"groups": 2}, "list": {"groups": [[params[0], params[3]], [params[1], params[2]]]},
+                      "num_groups": {"num_groups": 3}, "one_group": {"groups": [params]},
+                      "predivide": {"gradient_predivide_factor": 2.0}}[kind]
+            opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, f"groups.{kind}"),
+                                           **kwargs)
+            return with_reference(sgd, train(opt, model, steps=5), steps=5)
+        return section
+
+    def op_sum():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "opsum"), op=hvd.Sum)
+        x, y = shard(0)
+        mse(model, x, y).backward()
+        opt.synchronize()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()
+        ref = make_model()
+        mse(ref, *data(0)).backward()  # whole-batch mean: the summed gradient is n times this
+        return {"grads": grads, "reference": [p.grad * n for p in ref.parameters()]}
+
+    def sparse(sparse_as_dense):
+        def section():
+            # rank 0 looks up rows 0, 1, 2, 2 and rank 1 rows 2, 3, 4, 9: row 2 is shared.
+            idx = torch.tensor([[0, 1, 2, 2], [2, 3, 4, 9]])
+            target = torch.randn(n, 4, 3, generator=torch.Generator().manual_seed(30))
+            torch.manual_seed(6)
+            emb = torch.nn.Embedding(10, 3, sparse=True)
+            ref = torch.nn.Embedding(10, 3, sparse=False)
+            ref.load_state_dict(emb.state_dict())
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                           named_parameters=named(emb, f"sparse.{sparse_as_dense}"),
+                                           sparse_as_dense=sparse_as_dense)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            grad_sparse = []
+            for s in range(5):
+                opt.zero_grad()
+                ((emb(idx[r]) - target[r]) ** 2).mean().backward()
+                opt.synchronize()
+                grad_sparse.append(emb.weight.grad.is_sparse)
+                with opt.skip_synchronize():
+                    opt.step()
+                ref_opt.zero_grad()
+                ((ref(idx.reshape(-1)) - target.reshape(-1, 3)) ** 2).mean().backward()
+                ref_opt.step()
+            return {"weights": weights(emb), "reference": weights(ref), "grad_sparse": grad_sparse}
+        return section
+
+    def zero_grad_guard():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "zero_grad"))
+        mse(model, *shard(0)).backward()
+        try:
+            opt.zero_grad()
+            error = None
+        except AssertionError as exc:
+            error = str(exc)
+        opt.step()  # the reductions still complete
+        opt.zero_grad()  # and after step() zero_grad is fine again
+        return {"error": error, "grads_cleared": all(p.grad is None for p in model.parameters())}
+
+    def too_many_backward_passes():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "too_many"))
+        mse(model, *shard(0)).backward()
+        try:
+            mse(model, *shard(1)).backward()
+            error = None
+        except AssertionError as exc:
+            error = str(exc)
+        opt.synchronize()  # drain what the first pass started
+        return error
+
+    def skip_synchronize_warnings():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "skip"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(2):
+                opt.zero_grad()
+                mse(model, *shard(s)).backward()
+                opt.synchronize()
+                with opt.skip_synchronize():
+                    opt.step()
+        quiet = [str(w.message) for w in caught]
+        # without skip_synchronize(), step() after synchronize() warns (and reduces again)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            mse(model, *shard(0)).backward()
+            opt.synchronize()
+            opt.step()
+        return {"quiet": quiet, "noisy": [str(w.message) for w in caught]}
+
+    def skip_synchronize_weights():
+        # synchronize() explicitly, clip the averaged gradients, then step() without reducing again
+        def clip(model, opt=None):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "skipw"))
+        for s in range(5):
+            opt.zero_grad()
+            mse(model, *shard(s)).backward()
+            opt.synchronize()
+            clip(model)
+            with opt.skip_synchronize():
+                opt.step()
+        return with_reference(sgd, weights(model), steps=5, before_step=clip)
+
+    def class_identity():
+        model = make_model()
+        s = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "cls.s"))
+        model2 = make_model()
+        a = hvd.DistributedOptimizer(torch.optim.Adam(model2.parameters()), named_parameters=named(model2, "cls.a"))
+        return {"sgd": isinstance(s, torch.optim.SGD), "optimizer": isinstance(s, torch.optim.Optimizer),
+                "adam": isinstance(a, torch.optim.Adam), "adam_not_sgd": not isinstance(a, torch.optim.SGD),
+                "name": type(s).__name__}
+
+    def scheduler_after_wrapping():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "sched.after"))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            w = train(opt, model, sched=sched)
+        out = with_reference(sgd, w, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5))
+        out["lr"] = opt.param_groups[0]["lr"]
+        out["warnings"] = [str(c.message) for c in caught]
+        return out
+
+    def scheduler_before_wrapping():
+        # A script may build the scheduler on the plain optimizer, then wrap it (Horovod allows it:
+        # the wrapper shares the parameter groups, so the schedule still applies).
+        model = make_model()
+        inner = sgd(model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=5, gamma=0.5)
+        opt = hvd.DistributedOptimizer(inner, named_parameters=named(model, "sched.before"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()", as in Horovod
+            w = train(opt, model, sched=sched)
+        out = with_reference(sgd, w, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5))
+        out["lr"] = opt.param_groups[0]["lr"]
+        return out
+
+    def state_dict_roundtrip():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "sd.a"))
+        train(opt, model, steps=3)
+        saved_opt = copy.deepcopy(opt.state_dict())
+        saved_model = copy.deepcopy(model.state_dict())
+        continued = train(opt, model, steps=3)
+        model2 = make_model(seed=99)
+        model2.load_state_dict(saved_model)
+        opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.7), named_parameters=named(model2, "sd.b"))
+        opt2.load_state_dict(saved_opt)
+        resumed = train(opt2, model2, steps=3)
+        return {"keys": sorted(saved_opt), "has_momentum": all("momentum_buffer" in v for v in saved_opt["state"].values()),
+                "lr": opt2.param_groups[0]["lr"], "continued": continued, "resumed": resumed}
+
+    return [
+        ("equivalence.sgd", equivalence(sgd, "eq.sgd")),
+        ("equivalence.adam", equivalence(adam, "eq.adam")),
+        ("equivalence.fp16", equivalence(sgd, "eq.fp16", compression=hvd.Compression.fp16)),
+        ("fp16.gradients", fp16_gradients),
+        ("bpps.2", accumulate(2, use_setter=False)),
+        ("bpps.4", accumulate(4, use_setter=False)),
+        ("bpps.setter", accumulate(2, use_setter=True)),
+        ("order.two_losses", hook_order_two_losses),
+        ("order.one_backward", hook_order_one_backward),
+        ("missing_gradients", missing_gradients),
+        ("groups.int", groups_variant("int")),
+        ("groups.list", groups_variant("list")),
+        ("groups.num_groups", groups_variant("num_groups")),
+        ("groups.one_group", groups_variant("one_group")),
+        ("predivide", groups_variant("predivide")),
+        ("op_sum", op_sum),
+        ("sparse", sparse(False)),
+        ("sparse_as_dense", sparse(True)),
+        ("zero_grad_guard", zero_grad_guard),
+        ("too_many_backward_passes", too_many_backward_passes),
+        ("skip_synchronize", skip_synchronize_warnings),
+        ("skip_synchronize.weights", skip_synchronize_weights),
+        ("class_identity", class_identity),
+        ("scheduler.after_wrapping", scheduler_after_wrapping),
+        ("scheduler.before_wrapping", scheduler_before_wrapping),
+        ("state_dict", state_dict_roundtrip),
+    ]
+
+
+@pytest.fixture(scope="module")
+def ranks2() -> JobResults:
+    return run_job(_job, np=2)
+
+
+def assert_close_lists(got, want, **tol):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert torch.allclose(g, w, **(tol or TOL)), (g - w).abs().max()
+
+
+def assert_ranks_agree_and_match_reference(job, section, **tol):
+    """Both ranks hold identical weights, equal (within float tolerance) to rank 0's reference."""
+    ranks = job.all(section)
+    for got in ranks[1:]:
+        for a, b in zip(ranks[0]["weights"], got["weights"]):
+            assert torch.equal(a, b), f"{section}: ranks disagree"
+    assert_close_lists(ranks[0]["weights"], ranks[0]["reference"], **tol)
+
+
+# ---- (a) 2 workers on half batches == 1 worker on the whole batch -------------------------------
+
+
+@pytest.mark.parametrize("section", ["equivalence.sgd", "equivalence.adam"])
+def test_two_workers_match_one_worker_2ranks(ranks2, section):
+    assert_ranks_agree_and_match_reference(ranks2, section)
+
+
+# ---- (b) local gradient aggregation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("section", ["bpps.2", "bpps.4", "bpps.setter"])
+def test_backward_passes_per_step_equals_larger_batches_2ranks(ranks2, section):
+    assert_ranks_agree_and_match_reference(ranks2, section)
+
+
+# ---- (c) fp16 compression ------------------------------------------------------------------------
+
+
+def test_fp16_compression_gradients_within_fp16_tolerance_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("fp16.gradients", r)
+        assert got["dtypes"] == [torch.float32] * 4  # decompressed back into the float32 gradients
+        assert_close_lists(got["grads"], got["reference"], rtol=2e-3, atol=1e-4)
+
+
+def test_fp16_compression_training_stays_close_2ranks(ranks2):
+    ranks = ranks2.all("equivalence.fp16")
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        assert torch.equal(a, b)
+    # 20 momentum steps on fp16-rounded gradients: close to, not equal to, the float32 run
+    assert_close_lists(ranks[0]["weights"], ranks[0]["reference"], rtol=1e-2, atol=1e-3)
+
+
+# ---- (d) hooks firing in different orders on different ranks --------------------------------------
+
+
+def test_hooks_in_different_orders_two_losses_2ranks(ranks2):
+    assert ranks2.get("order.two_losses", 0)["fired"] == [0, 1, 2, 3, 4, 5]
+    assert ranks2.get("order.two_losses", 1)["fired"] == [5, 4, 3, 2, 1, 0]
+    for r in range(2):
+        got = ranks2.get("order.two_losses", r)
+        assert_close_lists(got["weights"], got["reference"])
+
+
+def test_hooks_in_different_orders_one_backward_2ranks(ranks2):
+    assert ranks2.get("order.one_backward", 0)["fired"] == ["b", "a"]
+    assert ranks2.get("order.one_backward", 1)["fired"] == ["a", "b"]
+    for r in range(2):
+        got = ranks2.get("order.one_backward", r)
+        assert_close_lists(got["weights"], got["reference"])
+
+
+# ---- (e) parameters without a gradient --------------------------------------------------------------
+
+
+def test_parameters_without_gradients_do_not_hang_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("missing_gradients", r)
+        # Reference: the plain average over ranks of each rank's loss. Horovod's convention is that
+        # a rank with no gradient for a parameter contributes zeros, which is exactly that average.
+        assert_close_lists(got["weights"], got["reference"])
+        # "never" is used by no rank: zero gradients, so plain SGD leaves it as it was
+        never = got["weights"][4:]
+        assert_close_lists(never, got["never_initial"])
+
+
+# ---- (f) groups, predivide, op=Sum, sparse --------------------------------------------------------
+
+
+@pytest.mark.parametrize("section", ["groups.int", "groups.list", "groups.num_groups", "groups.one_group",
+                                     "predivide"])
+def test_groups_and_predivide_match_one_worker_2ranks(ranks2, section):
+    assert_ranks_agree_and_match_reference(ranks2, section)
+
+
+def test_op_sum_sums_gradients_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("op_sum", r)
+        assert_close_lists(got["grads"], got["reference"])
+
+
+@pytest.mark.parametrize("section", ["sparse", "sparse_as_dense"])
+def test_sparse_embedding_gradients_2ranks(ranks2, section):
+    for r in range(2):
+        got = ranks2.get(section, r)
+        assert_close_lists(got["weights"], got["reference"])
+        assert got["grad_sparse"] == [section == "sparse"] * 5
+    assert torch.equal(ranks2.get(section, 0)["weights"][0], ranks2.get(section, 1)["weights"][0])
+
+
+# ---- (g) the optimizer interface --------------------------------------------------------------------
+
+
+def test_zero_grad_between_backward_and_step_raises_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("zero_grad_guard", r)
+        assert got["error"] is not None and "zero_grad" in got["error"]
+        assert got["grads_cleared"]
+
+
+def test_more_backward_passes_than_configured_raise_2ranks(ranks2):
+    for r in range(2):
+        error = ranks2.get("too_many_backward_passes", r)
+        assert error is not None and "backward_passes_per_step" in error
+
+
+def test_skip_synchronize_with_explicit_synchronize_2ranks(ranks2):
+    assert_ranks_agree_and_match_reference(ranks2, "skip_synchronize.weights")
+    for r in range(2):
+        got = ranks2.get("skip_synchronize", r)
+        assert got["quiet"] == []
+        assert any("synchronize" in message for message in got["noisy"])
+
+
+def test_wrapped_optimizer_is_an_instance_of_its_class_2ranks(ranks2):
+    got = ranks2.get("class_identity", 0)
+    assert got == {"sgd": True, "optimizer": True, "adam": True, "adam_not_sgd": True, "name": "SGD"}
+
+
+def test_lr_scheduler_on_the_wrapped_optimizer_2ranks(ranks2):
+    assert_ranks_agree_and_match_reference(ranks2, "scheduler.after_wrapping")
+    for r in range(2):
+        got = ranks2.get("scheduler.after_wrapping", r)
+        assert got["lr"] == pytest.approx(0.1 * 0.5 ** (STEPS // 5))
+        assert not [w for w in got["warnings"] if "lr_scheduler" in w], got["warnings"]
+
+
+def test_lr_scheduler_built_before_wrapping_2ranks(ranks2):
+    assert_ranks_agree_and_match_reference(ranks2, "scheduler.before_wrapping")
+    assert ranks2.get("scheduler.before_wrapping", 1)["lr"] == pytest.approx(0.1 * 0.5 ** (STEPS // 5))
+
+
+def test_state_dict_round_trip_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("state_dict", r)
+        assert got["keys"] == ["param_groups", "state"] and got["has_momentum"]
+        assert got["lr"] == 0.1  # the loaded hyper-parameters replace the new optimizer's
+        assert_close_lists(got["resumed"], got["continued"], rtol=0, atol=0)
