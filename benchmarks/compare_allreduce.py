@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""float32 allreduce, side by side: hora (TCP ring), torch.distributed over Gloo, and MPI (mpi4py).
+"""float32 allreduce, side by side: hora (as init() picks it: shared memory within one host), hora's
+TCP ring, torch.distributed over Gloo, and MPI (mpi4py).
 
-All three run the same size sweep with the same iteration plan (hora.bench's: ``--iters`` calls for
+All of them run the same size sweep with the same iteration plan (hora.bench's: ``--iters`` calls for
 small messages, fewer for big ones), the same timing rule (warm-up, barrier, mean per call over the
 timed loop, slowest rank wins) and the same world size. The machine is shared and noisy, so the
 libraries take turns, round after round (hora, gloo, mpi, hora, gloo, mpi, ...), and each keeps its
@@ -28,7 +29,8 @@ from typing import Any, Callable
 
 DEFAULT_SIZES = tuple(4 * 4**k for k in range(13))  # 4 B .. 64 MiB
 RESULT_TAG = "COMPARE_ALLREDUCE_RESULT "
-LIBRARIES = ("hora", "gloo", "mpi")
+# "hora" is what hora.init() picks (shared memory within one host); "hora_tcp" its TCP ring.
+LIBRARIES = ("hora", "hora_tcp", "gloo", "mpi")
 
 
 def _plan(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
@@ -44,19 +46,25 @@ def _count(nbytes: int) -> int:
 # ---- hora -----------------------------------------------------------------------------------------
 
 
-def hora_worker(sizes: list[int], iters: int, warmup: int) -> dict[int, float] | None:
+def hora_worker(sizes: list[int], iters: int, warmup: int, transport: str) -> dict[int, float] | None:
     """One rank: the slowest rank's mean seconds per allreduce, by size (rank 0 only)."""
     from hora.bench.sweep import BenchSpec, bench_worker
 
     rows = bench_worker(BenchSpec(sizes=tuple(sizes), ops=("allreduce",), dtype="float32",
-                                  iters=iters, warmup=warmup, transport="tcp"))
+                                  iters=iters, warmup=warmup, transport=transport))
     return None if rows is None else {row["size"]: row["time_us"] * 1e-6 for row in rows}
 
 
 def run_hora(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float]:
     import hora
 
-    return hora.run(hora_worker, args=(sizes, iters, warmup), np=np_)[0]
+    return hora.run(hora_worker, args=(sizes, iters, warmup, "auto"), np=np_)[0]
+
+
+def run_hora_tcp(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float]:
+    import hora
+
+    return hora.run(hora_worker, args=(sizes, iters, warmup, "tcp"), np=np_)[0]
 
 
 # ---- torch.distributed / Gloo ---------------------------------------------------------------------
@@ -150,7 +158,7 @@ def run_mpi(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, fl
 
 
 def available(note: Callable[[str], None]) -> dict[str, Callable[..., dict[int, float]]]:
-    runners: dict[str, Callable[..., dict[int, float]]] = {"hora": run_hora}
+    runners: dict[str, Callable[..., dict[int, float]]] = {"hora": run_hora, "hora_tcp": run_hora_tcp}
     try:
         import torch.distributed as dist
 
@@ -201,13 +209,16 @@ def build_rows(sizes: list[int], best: dict[str, dict[int, float]], np_: int) ->
 def format_table(rows: list[dict[str, Any]], np_: int, rounds: int) -> str:
     columns = [
         ("size(B)", "size", "{:d}", 11),
-        ("hora(us)", "hora_us", "{:.1f}", 10), ("gloo(us)", "gloo_us", "{:.1f}", 10), ("mpi(us)", "mpi_us", "{:.1f}", 10),
-        ("hora GB/s", "hora_busbw", "{:.3f}", 10), ("gloo GB/s", "gloo_busbw", "{:.3f}", 10), ("mpi GB/s", "mpi_busbw", "{:.3f}", 10),
+        ("hora(us)", "hora_us", "{:.1f}", 10), ("tcp(us)", "hora_tcp_us", "{:.1f}", 10),
+        ("gloo(us)", "gloo_us", "{:.1f}", 10), ("mpi(us)", "mpi_us", "{:.1f}", 10),
+        ("hora GB/s", "hora_busbw", "{:.3f}", 10), ("tcp GB/s", "hora_tcp_busbw", "{:.3f}", 10),
+        ("gloo GB/s", "gloo_busbw", "{:.3f}", 10), ("mpi GB/s", "mpi_busbw", "{:.3f}", 10),
         ("bw h/gloo", "busbw_hora/gloo", "{:.2f}", 10), ("bw h/mpi", "busbw_hora/mpi", "{:.2f}", 9),
         ("lat h/gloo", "lat_hora/gloo", "{:.2f}", 11), ("lat h/mpi", "lat_hora/mpi", "{:.2f}", 10),
     ]
     lines = [
         f"# float32 allreduce, {np_} ranks, best of {rounds} interleaved round(s); time = slowest rank's mean per call",
+        "# hora = what init() picks (shared memory on one host); tcp = hora's TCP ring",
         "# GB/s = bus bandwidth (size/time x 2(n-1)/n); bw h/X > 1: hora faster; lat h/X > 1: hora slower",
         "".join(title.rjust(width) for title, _, _, width in columns),
     ]
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="timed calls per size for small sizes (default 50)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per size (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best per size wins (default 3)")
-    parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,gloo,mpi")
+    parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,hora_tcp,gloo,mpi")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
     parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -93,8 +93,9 @@ def _configure_logging(verbose: bool, level_name: str | None) -> None:
 
 def run_main(argv: Sequence[str]) -> int:
     """``hora run``: parse, validate, launch, and report how the job ended."""
-    from hora.runner.job import LocalJob
+    from hora.runner.job import Job
     from hora.runner.run_args import build_parser, command_of, knob_environment, resolve_hosts
+    from hora.runner.ssh import SshOptions
 
     parser = build_parser()
     args = parser.parse_args(list(argv))
@@ -108,15 +109,14 @@ def run_main(argv: Sequence[str]) -> int:
     _configure_logging(args.verbose, args.log_level)
     try:
         hosts = resolve_hosts(args)
-        job = LocalJob(hosts, args.np, command, extra_env=knob_environment(args),
-                       output_dir=args.output_filename)
+        ssh = SshOptions.from_config(port=args.ssh_port, identity_file=args.ssh_identity_file)
+        job = Job(hosts, args.np, command, extra_env=knob_environment(args),
+                  output_dir=args.output_filename, ssh=ssh,
+                  network_interfaces=args.network_interfaces)
     except (ConfigError, LaunchError) as exc:
         parser.error(str(exc))
-    if args.ssh_port is not None or args.ssh_identity_file is not None:
+    if not job.remote_hosts and (args.ssh_port is not None or args.ssh_identity_file is not None):
         logger.info("-p/-i (SSH options) are not needed: every rank of this job runs on this host")
-    if args.network_interfaces:
-        logger.warning("--network-interfaces is accepted but not applied yet; workers use "
-                       "HORA_IFACE or the host's default address")
     for slot in job.slots:
         logger.info("rank %d on %s: local rank %d of %d, cross rank %d of %d", slot.rank,
                     slot.hostname, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size)

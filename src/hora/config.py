@@ -96,6 +96,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("start_timeout", 30.0, _parse_pos_float, "Seconds to wait for every worker to check in."),
     Knob("kill_grace", 5.0, _parse_nonneg_float,
          "Seconds between SIGTERM and SIGKILL when the launcher stops workers.", horovod_alias=False),
+    Knob("ssh_command", "ssh", _parse_str,
+         "The ssh program (and leading options) hora run uses to start workers on remote hosts.",
+         horovod_alias=False),
+    Knob("ssh_connect_timeout", 10.0, _parse_pos_float,
+         "Seconds ssh may take to connect to a remote host (the reachability check and each rank).",
+         horovod_alias=False),
     # Transport.
     Knob("transport_timeout", 30.0, _parse_pos_float,
          "Seconds a collective may wait on a peer without progress before failing.", horovod_alias=False),

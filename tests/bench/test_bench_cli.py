@@ -28,7 +28,7 @@ def _clean_env() -> dict[str, str]:
 
 def _check_row(row: dict, ranks: int) -> None:
     assert ROW_KEYS <= set(row), row
-    assert row["ranks"] == ranks and row["transport"] == "tcp" and row["dtype"] == "float32", row
+    assert row["ranks"] == ranks and row["transport"] == "auto" and row["dtype"] == "float32", row
     assert row["count"] * 4 == row["size"], row
     assert row["iters"] >= 1, row
     assert 0 < row["time_us"] < 5e6, row
@@ -147,17 +147,17 @@ def test_compare_allreduce_prints_ratios() -> None:
     assert proc.returncode == 0, proc.stderr + proc.stdout
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if "size(B)" in line)
-    for title in ("hora(us)", "gloo(us)", "mpi(us)", "bw h/gloo", "bw h/mpi", "lat h/gloo", "lat h/mpi"):
+    for title in ("hora(us)", "tcp(us)", "gloo(us)", "mpi(us)", "bw h/gloo", "bw h/mpi", "lat h/gloo", "lat h/mpi"):
         assert title in header, header
     rows = {int(line.split()[0]): line.split() for line in lines if line.strip() and line.split()[0].isdigit()}
     assert sorted(rows) == [4, 65536], proc.stdout
     mpi_skipped = "skipping mpi" in proc.stdout
-    names = ["size", "hora_us", "gloo_us", "mpi_us", "hora_bw", "gloo_bw", "mpi_bw",
+    names = ["size", "hora_us", "tcp_us", "gloo_us", "mpi_us", "hora_bw", "tcp_bw", "gloo_bw", "mpi_bw",
              "bw_hora/gloo", "bw_hora/mpi", "lat_hora/gloo", "lat_hora/mpi"]
     for cells in rows.values():
         assert len(cells) == len(names), cells
         values = dict(zip(names, cells))
-        assert float(values["hora_us"]) > 0 and float(values["gloo_us"]) > 0, cells
+        assert float(values["hora_us"]) > 0 and float(values["tcp_us"]) > 0 and float(values["gloo_us"]) > 0, cells
         assert float(values["lat_hora/gloo"]) == pytest.approx(
             float(values["hora_us"]) / float(values["gloo_us"]), rel=0.02, abs=0.01), cells
         assert float(values["bw_hora/gloo"]) > 0, cells

@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"timed calls per size (default {DEFAULT_ITERS}; fewer for big sizes)")
     parser.add_argument("--warmup", type=_nonneg_int, default=DEFAULT_WARMUP,
                         help=f"untimed calls before timing (default {DEFAULT_WARMUP}; fewer for big sizes)")
-    parser.add_argument("--transport", default="tcp", choices=sorted(TRANSPORTS),
-                        help="transport to measure (default tcp)")
+    parser.add_argument("--transport", default="auto", choices=["auto", *sorted(TRANSPORTS)],
+                        help="transport to measure (default auto: what init() picks, i.e. shared memory "
+                             "within one host, TCP across hosts)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of row objects instead of tables")
     return parser
 

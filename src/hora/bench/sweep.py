@@ -132,7 +132,7 @@ class BenchSpec:
     dtype: str = "float32"
     iters: int = DEFAULT_ITERS
     warmup: int = DEFAULT_WARMUP
-    transport: str = "tcp"
+    transport: str = "auto"
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     root: int = 0
 
@@ -171,7 +171,11 @@ def _prepare(comm: Communicator, op: str, count: int, dtype: np.dtype, root: int
     n, r = comm.size, comm.rank
     counts = split_counts(count, n)
     if op == "allreduce":
-        buf = np.zeros(count, dtype=dtype)
+        # Where the transport offers its own memory (shared memory), use it as the engine's fusion
+        # buffer does: that is how training traffic reaches the transport.
+        allocate = getattr(comm, "allocate", None)
+        buf = np.zeros(count, dtype=dtype) if allocate is None else allocate(count * dtype.itemsize).view(dtype)
+        buf[...] = 0
         return lambda: comm.allreduce(buf)
     if op == "broadcast":
         buf = np.zeros(count, dtype=dtype)
@@ -239,7 +243,7 @@ def bench_worker(spec: BenchSpec) -> list[dict[str, Any]] | None:
     """Entry point of one rank of a benchmark job: connect the world, sweep, return rank 0's rows."""
     from hora.transport.world import connect_world
 
-    comm = connect_world(spec.transport)
+    comm = connect_world(None if spec.transport == "auto" else spec.transport)
     try:
         rows = measure(comm, spec)
     finally:

@@ -1,4 +1,4 @@
-"""``hora.run``: run a Python function on N local workers and collect what each returns.
+"""``hora.run``: run a Python function on N workers (here or over SSH) and collect what each returns.
 
 The function travels through the job's authenticated rendezvous store, each worker runs
 :mod:`hora.runner.task`, and results come back the same way. A worker that raised makes
@@ -18,7 +18,8 @@ import cloudpickle
 from hora import config
 from hora.errors import ConfigError, HoraError, WorkerFailedError
 from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
-from hora.runner.job import LocalJob
+from hora.runner.job import Job
+from hora.runner.ssh import SshOptions
 from hora.runner.launch import JobOutcome
 from hora.runner.task import FUNC_KEY, SYS_PATH_KEY, result_key
 
@@ -39,6 +40,9 @@ def run(
     output_filename: str | None = None,
     executable: str | None = None,
     kill_grace: float | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    network_interface: str | Sequence[str] | None = None,
 ) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``np`` workers; return each rank's result in rank order.
 
@@ -47,7 +51,10 @@ def run(
     process), ``start_timeout`` (seconds) bounds how long workers wait for the job to form,
     ``output_filename`` also writes each rank's output under ``DIR/rank.<N>/``, ``executable`` is
     the Python that runs the workers (default: this one), ``kill_grace`` the seconds between
-    SIGTERM and SIGKILL when stopping workers (default: the ``kill_grace`` knob).
+    SIGTERM and SIGKILL when stopping workers (default: the ``kill_grace`` knob). Hosts other than
+    this machine are reached over SSH (``ssh_port``, ``ssh_identity_file``) and must have the same
+    Python and hora; ``network_interface`` (``"eth0"``, ``"eth0,ib0"`` or a list; names or
+    addresses) is what ``hora run --network-interfaces`` takes.
 
     The first worker to fail stops the others. Its exception is re-raised here with
     ``exc.hora_rank`` set and the remote traceback in a note (and in ``exc.hora_remote_traceback``);
@@ -68,10 +75,15 @@ def run(
     if start_timeout is not None:
         extra_env.update(config.env_for("start_timeout", start_timeout))
     command = [executable or sys.executable, "-m", "hora.runner.task"]
+    if isinstance(network_interface, str):
+        network_interface = network_interface.split(",")
+    interfaces = [name.strip() for name in network_interface or () if name.strip()] or None
 
     with _verbose_logging(verbose):
-        with LocalJob(host_list, np, command, extra_env=extra_env, output_dir=output_filename,
-                      kill_grace=kill_grace) as job:
+        job = Job(host_list, np, command, extra_env=extra_env, output_dir=output_filename,
+                  kill_grace=kill_grace, network_interfaces=interfaces,
+                  ssh=SshOptions.from_config(port=ssh_port, identity_file=ssh_identity_file))
+        with job:
             job.store.set(SYS_PATH_KEY, json.dumps([p for p in sys.path if isinstance(p, str)]).encode())
             job.store.set(FUNC_KEY, payload)
             outcome = job.run(handle_signals=False)

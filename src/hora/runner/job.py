@@ -1,36 +1,49 @@
-"""One local job: its rendezvous store, its workers' environments, and their supervision.
+"""One job: its rendezvous store, its workers' environments, and their supervision.
 
-Both ``hora run`` and :func:`hora.run` go through :class:`LocalJob`: it validates the layout (every
-used host must be this machine until SSH launch exists), starts the job's rendezvous server with a
-fresh secret, builds each rank's environment and hands the workers to the supervisor. The store
-stays readable until the job is closed, so :func:`hora.run` can collect results after the workers
-exit.
+Both ``hora run`` and :func:`hora.run` go through :class:`Job`. It lays ranks out on the hosts,
+starts ranks on this machine as child processes and ranks on other hosts over SSH (see
+:mod:`hora.runner.remote`), starts the job's rendezvous server with a fresh secret, builds each
+rank's environment and hands the workers to the supervisor. The store stays readable until the job
+is closed, so :func:`hora.run` can collect results after the workers exit.
+
+A job on this machine alone keeps its store on loopback. With a remote host, every remote host is
+first checked with ``ssh HOST true`` (all at once; nothing starts if one fails), and the store
+listens on an address they can reach (:func:`hora.runner.network.launcher_address`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Mapping, Sequence, TextIO
 
 from hora import config
+from hora.errors import LaunchError
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
 from hora.runner.hosts import Host, SlotInfo, assign_slots, hosts_used
 from hora.runner.launch import JobOutcome, WorkerSpec, run_workers
-from hora.runner.locality import require_local_hosts
+from hora.runner.locality import is_local_host
+from hora.runner.network import launcher_address
 from hora.runner.output import OutputRouter
+from hora.runner.remote import RemoteTarget, forwarded_environment
+from hora.runner.remote_bootstrap import resolve_listen_address
+from hora.runner.ssh import SshOptions, check_reachable
 from hora.runner.worker_env import JobContext, worker_environment
 
 logger = logging.getLogger(__name__)
 
-# Local-only jobs keep the store off the network entirely.
+# Jobs on this machine alone keep the store off the network entirely.
 LOCAL_BIND_ADDRESS = "127.0.0.1"
 
 
-class LocalJob:
-    """A job whose every rank runs on this machine.
+class Job:
+    """A job whose ranks run on this machine and, over SSH, on other hosts.
 
-    Use as a context manager: entering starts the rendezvous server, leaving stops it.
-    ``command`` is either one argv for every rank or a function of the rank's :class:`SlotInfo`.
+    Use as a context manager: entering checks the remote hosts and starts the rendezvous server,
+    leaving stops it. ``command`` is either one argv for every rank or a function of the rank's
+    :class:`SlotInfo`. ``ssh`` configures connections to remote hosts (default: the ``ssh_*``
+    knobs); ``network_interfaces`` (interface names or addresses, first match per host) chooses the
+    address workers listen on; ``cwd`` is where remote workers start (default: this directory).
     """
 
     def __init__(
@@ -44,21 +57,39 @@ class LocalJob:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         kill_grace: float | None = None,
+        ssh: SshOptions | None = None,
+        network_interfaces: Sequence[str] | None = None,
+        cwd: str | None = None,
     ) -> None:
-        require_local_hosts(hosts_used(list(hosts), np))
+        used = hosts_used(list(hosts), np)
         self.slots = assign_slots(list(hosts), np)
         self.np = np
+        self.remote_hosts = [host.name for host in used if not is_local_host(host.name)]
         self._command = command
         self._extra_env = dict(extra_env or {})
         self._base_env = base_env
         self._router = OutputRouter(stdout=stdout, stderr=stderr, output_dir=output_dir, size=np)
         self._kill_grace = config.get("kill_grace") if kill_grace is None else kill_grace
+        self._interfaces = tuple(network_interfaces) if network_interfaces else None
+        self._ssh = (ssh or SshOptions.from_config()) if self.remote_hosts else ssh
+        self._cwd = cwd or os.getcwd()
+        self._local_iface: str | None = None
+        if self._interfaces and len(self.remote_hosts) < len(used):
+            try:  # ranks on this machine listen on its entry of --network-interfaces
+                self._local_iface = resolve_listen_address(self._interfaces)
+            except LookupError as exc:
+                raise LaunchError(f"--network-interfaces on this machine: {exc}") from None
         self._server: RendezvousServer | None = None
         self.context: JobContext | None = None
 
-    def __enter__(self) -> "LocalJob":
+    def __enter__(self) -> "Job":
+        bind = LOCAL_BIND_ADDRESS
+        if self.remote_hosts:
+            assert self._ssh is not None
+            check_reachable(self.remote_hosts, self._ssh)
+            bind = launcher_address(self.remote_hosts, self._interfaces)
         secret = new_secret()  # fresh per job: a worker of another job cannot join this one
-        self._server = RendezvousServer(secret, host=LOCAL_BIND_ADDRESS, port=0).start()
+        self._server = RendezvousServer(secret, host=bind, port=0).start()
         host, port = self._server.address
         self.context = JobContext.fresh(host, port, secret=secret)
         logger.info("job %s: rendezvous store at %s:%d", self.context.job_id, host, port)
@@ -73,28 +104,37 @@ class LocalJob:
     def store(self) -> KeyValueStore:
         """The job's key-value table, readable and writable directly by the launcher."""
         if self._server is None:
-            raise RuntimeError("the job's rendezvous server is not running (use LocalJob as a context manager)")
+            raise RuntimeError("the job's rendezvous server is not running (use Job as a context manager)")
         return self._server.store
 
     def _argv(self, slot: SlotInfo) -> list[str]:
         command = self._command(slot) if callable(self._command) else self._command
         return [str(part) for part in command]
 
+    def _spec(self, slot: SlotInfo) -> WorkerSpec:
+        assert self.context is not None
+        env = worker_environment(slot, self.context, base=self._base_env, extra=self._extra_env)
+        if slot.hostname not in self.remote_hosts:
+            if self._local_iface is not None:
+                env.update(config.env_for("iface", self._local_iface, with_alias=False))
+            return WorkerSpec(slot.rank, slot.hostname, self._argv(slot), env)
+        assert self._ssh is not None
+        target = RemoteTarget(ssh=self._ssh, cwd=self._cwd, job_id=self.context.job_id,
+                              interfaces=self._interfaces, kill_grace=float(self._kill_grace))
+        return WorkerSpec(slot.rank, slot.hostname, self._argv(slot), forwarded_environment(env),
+                          remote=target)
+
     def specs(self) -> list[WorkerSpec]:
-        """Each rank's command line and full environment."""
+        """Each rank's command line, full environment and (for remote ranks) how to reach its host."""
         if self.context is None:
-            raise RuntimeError("enter the LocalJob before building worker specs")
-        return [
-            WorkerSpec(
-                rank=slot.rank,
-                host=slot.hostname,
-                argv=self._argv(slot),
-                env=worker_environment(slot, self.context, base=self._base_env, extra=self._extra_env),
-            )
-            for slot in self.slots
-        ]
+            raise RuntimeError("enter the Job before building worker specs")
+        return [self._spec(slot) for slot in self.slots]
 
     def run(self, handle_signals: bool = False) -> JobOutcome:
         """Start every rank and supervise until success, the first failure, or a launcher signal."""
         return run_workers(self.specs(), self._router, kill_grace=self._kill_grace,
                            handle_signals=handle_signals)
+
+
+# The name this class had while every rank ran on this machine.
+LocalJob = Job

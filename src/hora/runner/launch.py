@@ -1,11 +1,14 @@
-"""Supervising a set of local worker processes until the job ends.
+"""Supervising a job's worker processes, here and on remote hosts, until the job ends.
 
 The rule (Horovod's): the first worker to fail, by a non-zero exit or a signal, ends the job. The
-supervisor notices at once (a thread per worker blocks in ``wait`` and reports to a queue), sends
-SIGTERM to every other worker's process group, SIGKILL after the grace period, and reports which
-rank failed, where and how. A termination signal to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops
-every worker the same way. Whatever happens, including an exception in the launcher itself, no
-worker or worker child is left running when :func:`run_workers` returns.
+supervisor notices at once (a thread per worker blocks in ``wait`` and reports to a queue), stops
+every other worker, and reports which rank failed, where and how. A local worker is stopped by
+SIGTERM to its process group, SIGKILL after the grace period; a remote one (started over SSH, see
+:mod:`hora.runner.remote`) by closing its ssh channel's stdin, on which the remote wrapper does the
+same there, and by killing the ssh client if that takes longer than the grace. A termination signal
+to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops every worker the same way. Whatever happens,
+including an exception in the launcher itself, no worker or worker child is left running when
+:func:`run_workers` returns (remote wrappers finish their own SIGKILL within the grace period).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,14 +23,8 @@ from typing import Mapping, Sequence
 
 from hora.errors import LaunchError
 from hora.runner.output import OutputRouter
-from hora.runner.process import (
-    describe_returncode,
-    exit_status_for,
-    group_alive,
-    signal_group,
-    signal_name,
-    spawn,
-)
+from hora.runner.process import LocalWorker, describe_returncode, exit_status_for, signal_name
+from hora.runner.remote import RemoteTarget, RemoteWorker
 
 logger = logging.getLogger(__name__)
 
@@ -39,29 +35,40 @@ _POLL_SECONDS = 0.05
 _AFTER_KILL_SECONDS = 10.0
 _OUTPUT_DRAIN_SECONDS = 5.0
 _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+# Extra seconds a remote rank gets to stop: the wrapper's own grace runs on the far side of a network.
+_REMOTE_SLACK_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker to start: its rank, the host it belongs to, its command line and environment."""
+    """One worker to start: its rank, the host it belongs to, its command line and environment.
+
+    ``remote`` says how to reach its host over SSH; None starts it here as a child process.
+    """
 
     rank: int
     host: str
     argv: Sequence[str]
     env: Mapping[str, str]
+    remote: RemoteTarget | None = None
 
 
 @dataclass(frozen=True)
 class WorkerExit:
-    """How a worker ended; ``returncode`` follows Popen (negative: killed by that signal)."""
+    """How a worker ended; ``returncode`` follows Popen (negative: killed by that signal).
+
+    ``detail`` replaces the plain wording when there is more to say (a remote rank that lost its
+    SSH connection, or could not be started there).
+    """
 
     rank: int
     host: str
     returncode: int
+    detail: str | None = None
 
     @property
     def description(self) -> str:
-        return f"rank {self.rank} on {self.host} {describe_returncode(self.returncode)}"
+        return f"rank {self.rank} on {self.host} {self.detail or describe_returncode(self.returncode)}"
 
     @property
     def exit_status(self) -> int:
@@ -155,34 +162,45 @@ class _Supervisor:
         self.trap = trap
         self.router = router
         self.kill_grace = kill_grace
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.workers: dict[int, LocalWorker | RemoteWorker] = {}
+        self.exits: queue.Queue[tuple[int, int, str | None]] = queue.Queue()
         self.running: set[int] = set()
         self.outcome = JobOutcome(size=len(self.specs))
 
     def start_all(self) -> None:
         for spec in self.specs:
             files = self.router.prepare_files(spec.rank)
+            worker: LocalWorker | RemoteWorker
             try:
-                proc = spawn(spec.argv, spec.env)
+                if spec.remote is None:
+                    worker = LocalWorker(spec.argv, spec.env)
+                else:
+                    worker = RemoteWorker(spec.rank, spec.host, spec.argv, spec.env, spec.remote)
             except OSError as exc:
                 for handle in files.values():
                     handle.close()
                 reason = exc.strerror or str(exc)
+                program = spec.argv[0] if spec.remote is None else spec.remote.ssh.command[0]
                 raise LaunchError(
-                    f"cannot start rank {spec.rank} on {spec.host}: {reason}: {spec.argv[0]!r}"
+                    f"cannot start rank {spec.rank} on {spec.host}: {reason}: {program!r}"
                 ) from None
-            logger.info("started rank %d on %s (pid %d): %s", spec.rank, spec.host, proc.pid,
+            logger.info("started rank %d on %s (%s): %s", spec.rank, spec.host, worker.describe(),
                         " ".join(spec.argv))
-            self.procs[spec.rank] = proc
+            self.workers[spec.rank] = worker
             self.running.add(spec.rank)
             self.outcome.returncodes[spec.rank] = None
-            self.router.attach(spec.rank, proc.stdout, proc.stderr, files)
-            threading.Thread(target=self._wait_for, args=(spec.rank, proc),
+            if isinstance(worker, RemoteWorker):
+                threads = self.router.attach(spec.rank, worker.stdout, worker.stderr, files,
+                                             stderr_filter=worker.filter_stderr)
+                worker.attach_stderr_thread(threads.get("stderr"))
+            else:
+                self.router.attach(spec.rank, worker.stdout, worker.stderr, files)
+            threading.Thread(target=self._wait_for, args=(spec.rank, worker),
                              name=f"hora-wait-{spec.rank}", daemon=True).start()
 
-    def _wait_for(self, rank: int, proc: subprocess.Popen) -> None:
-        self.exits.put((rank, proc.wait()))
+    def _wait_for(self, rank: int, worker: LocalWorker | RemoteWorker) -> None:
+        returncode, detail = worker.wait()
+        self.exits.put((rank, returncode, detail))
 
     def _record(self, rank: int, returncode: int) -> None:
         self.running.discard(rank)
@@ -198,12 +216,12 @@ class _Supervisor:
                 logger.info("launcher received %s", signal_name(trap.received))
                 return
             try:
-                rank, returncode = self.exits.get(timeout=_POLL_SECONDS)
+                rank, returncode, detail = self.exits.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 continue
             self._record(rank, returncode)
             if returncode != 0:
-                self.outcome.failure = WorkerExit(rank, self.hosts[rank], returncode)
+                self.outcome.failure = WorkerExit(rank, self.hosts[rank], returncode, detail)
                 return
 
     def _drain_exits(self, deadline: float, patient: bool = True) -> None:
@@ -214,34 +232,36 @@ class _Supervisor:
             if remaining <= 0:
                 return
             try:
-                rank, returncode = self.exits.get(timeout=min(remaining, _POLL_SECONDS))
+                rank, returncode, _detail = self.exits.get(timeout=min(remaining, _POLL_SECONDS))
             except queue.Empty:
                 continue
             self._record(rank, returncode)
 
     def stop_all(self) -> None:
-        """TERM every process group that still has members, KILL what survives the grace period."""
+        """Stop every worker that still runs (or left children behind); KILL what outlives the grace."""
         self.outcome.stopped = len(self.running)
-        groups = [proc.pid for proc in self.procs.values()]  # each worker leads its own group
-        running_groups = {self.procs[rank].pid for rank in self.running}
-        for pgid in groups:
-            # A finished worker's group may still hold its children: stop those too.
-            if pgid in running_groups or group_alive(pgid):
-                signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.kill_grace
+        workers = self.workers
+        for rank, worker in workers.items():
+            # A finished local worker's group may still hold its children: stop those too.
+            if rank in self.running or worker.alive():
+                worker.terminate()
+        grace = self.kill_grace
+        if any(isinstance(workers[rank], RemoteWorker) for rank in self.running):
+            grace += _REMOTE_SLACK_SECONDS
+        deadline = time.monotonic() + grace
         self._drain_exits(deadline)
         while (time.monotonic() < deadline and not self.trap.impatient
-               and any(group_alive(pgid) for pgid in groups)):
+               and any(worker.alive() for worker in workers.values())):
             time.sleep(_POLL_SECONDS)  # grandchildren are not our children: poll, bounded by grace
-        for pgid in groups:
-            if group_alive(pgid):
-                logger.info("process group %d survived SIGTERM for %.1f s; sending SIGKILL",
-                            pgid, self.kill_grace)
-                signal_group(pgid, signal.SIGKILL)
+        for rank, worker in workers.items():
+            if worker.alive():
+                logger.info("rank %d (%s) survived the stop request for %.1f s; sending SIGKILL",
+                            rank, worker.describe(), grace)
+                worker.kill()
         self._drain_exits(time.monotonic() + _AFTER_KILL_SECONDS, patient=False)
         for rank in sorted(self.running):
-            logger.warning("rank %d (pid %d) did not exit even after SIGKILL",
-                           rank, self.procs[rank].pid)
+            logger.warning("rank %d (%s) did not exit even after SIGKILL",
+                           rank, workers[rank].describe())
 
 
 def run_workers(

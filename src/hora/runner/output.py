@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from typing import BinaryIO, TextIO
+from typing import BinaryIO, Callable, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +62,27 @@ class OutputRouter:
         return {kind: open(os.path.join(directory, kind), "wb") for kind in ("stdout", "stderr")}
 
     def attach(self, rank: int, stdout_pipe: BinaryIO | None, stderr_pipe: BinaryIO | None,
-               files: dict[str, BinaryIO] | None = None) -> None:
-        """Start forwarding one worker's pipes; the threads end at end of file."""
+               files: dict[str, BinaryIO] | None = None,
+               stderr_filter: Callable[[bytes], bytes] | None = None) -> dict[str, threading.Thread]:
+        """Start forwarding one worker's pipes; the threads (returned by stream) end at end of file.
+
+        ``stderr_filter`` sees each stderr line first and returns what to forward (``b""``: nothing);
+        remote ranks use it to take the wrapper's status line out of the output.
+        """
         files = files or {}
+        started: dict[str, threading.Thread] = {}
         for kind, pipe in (("stdout", stdout_pipe), ("stderr", stderr_pipe)):
             if pipe is None:
                 continue
+            line_filter = stderr_filter if kind == "stderr" else None
             thread = threading.Thread(
-                target=self._pump, args=(rank, kind, pipe, files.get(kind)),
+                target=self._pump, args=(rank, kind, pipe, files.get(kind), line_filter),
                 name=f"hora-output-{rank}-{kind}", daemon=True,
             )
             thread.start()
             self._threads.append(thread)
+            started[kind] = thread
+        return started
 
     def join(self, timeout: float) -> bool:
         """Wait for every pipe to reach end of file; False if some are still open after ``timeout``."""
@@ -82,13 +91,18 @@ class OutputRouter:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)
 
-    def _pump(self, rank: int, kind: str, pipe: BinaryIO, raw_file: BinaryIO | None) -> None:
+    def _pump(self, rank: int, kind: str, pipe: BinaryIO, raw_file: BinaryIO | None,
+              line_filter: Callable[[bytes], bytes] | None = None) -> None:
         prefix = f"[{rank}]<{kind}>:"
         try:
             while True:
                 chunk = pipe.readline(MAX_LINE_BYTES)
                 if not chunk:
                     break
+                if line_filter is not None:
+                    chunk = line_filter(chunk)
+                    if not chunk:
+                        continue
                 if raw_file is not None:
                     self._write_raw(raw_file, chunk)
                 text = chunk.decode("utf-8", errors="replace")

@@ -57,13 +57,14 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
-def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None) -> subprocess.Popen:
-    """Start one worker in a new session with piped stdout/stderr and no stdin."""
+def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None,
+          stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """Start one process in a new session with piped stdout/stderr (and, by default, no stdin)."""
     return subprocess.Popen(
         list(argv),
         env=dict(env),
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -115,6 +116,43 @@ def group_alive(pgid: int) -> bool:
     if os.path.isdir("/proc"):
         return _proc_group_has_live_member(pgid)
     return True
+
+
+class LocalWorker:
+    """A worker started on this machine, leading its own process group.
+
+    The supervisor drives local and remote workers (:class:`hora.runner.remote.RemoteWorker`)
+    through the same few methods: ``wait``, ``terminate``, ``kill``, ``alive``.
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        self.proc = spawn(argv, env)
+        self.pid = self.proc.pid  # also the process group id
+
+    @property
+    def stdout(self):
+        return self.proc.stdout
+
+    @property
+    def stderr(self):
+        return self.proc.stderr
+
+    def describe(self) -> str:
+        return f"pid {self.pid}"
+
+    def wait(self) -> tuple[int, str | None]:
+        """Block until the worker exits: its Popen return code (and no further explanation)."""
+        return self.proc.wait(), None
+
+    def terminate(self) -> None:
+        signal_group(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        signal_group(self.pid, signal.SIGKILL)
+
+    def alive(self) -> bool:
+        """Whether the worker or anything left in its group still runs."""
+        return group_alive(self.pid)
 
 
 def signal_name(signum: int) -> str:

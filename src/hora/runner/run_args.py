@@ -3,8 +3,8 @@
 Parsing only: the CLI (:mod:`hora.cli`) decides what to do with the result. Engine tuning flags
 (``--fusion-threshold-mb``, ``--cycle-time-ms``...) become the workers' ``HORA_*``/``HOROVOD_*``
 variables through :func:`knob_environment`, so a flag and an exported variable mean exactly the same
-thing. Options for later features (SSH, network interfaces) are parsed and validated now, and kept
-in the namespace until they are wired up.
+thing. The remote-host options (``-p``, ``-i``, ``--network-interfaces``) configure the SSH launch
+of ranks on other hosts (see :mod:`hora.runner.remote`).
 """
 
 from __future__ import annotations
@@ -85,11 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--check-build", action="store_true",
                      help="print hora's build and environment (like `hora check`) and exit")
 
-    remote = parser.add_argument_group("remote hosts (multi-host launch is not available yet)")
-    remote.add_argument("-p", "--ssh-port", type=port_number, metavar="PORT", help="SSH port")
-    remote.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="SSH identity file")
+    remote = parser.add_argument_group("remote hosts (ranks on other hosts start over SSH)")
+    remote.add_argument("-p", "--ssh-port", type=port_number, metavar="PORT",
+                        help="SSH port of the remote hosts")
+    remote.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                        help="SSH private key for the remote hosts")
     remote.add_argument("--network-interfaces", type=interface_list, metavar="NICS",
-                        help="comma-separated network interfaces for worker traffic")
+                        help="comma-separated interface names (e.g. eth0) or addresses for worker "
+                             "traffic; each host uses the first one it has")
 
     tuning = parser.add_argument_group("engine tuning (same as the HORA_*/HOROVOD_* variables)")
     tuning.add_argument("--fusion-threshold-mb", type=nonneg_float, metavar="MB",

@@ -24,7 +24,7 @@ from hora import config
 from hora.errors import PeerFailureError
 from hora.transport.base import ReduceOp, TransportUnavailable, check_buffer, check_counts
 from hora.transport.reduce import check_op, reduction_ufunc
-from hora.transport.shm_segment import Segment
+from hora.transport.shm_segment import SMALL_BYTES, Segment
 from hora.transport.tcp import TcpCommunicator, _offsets, _split
 from hora.transport.tcp_mesh import local_machine_id
 
@@ -190,6 +190,9 @@ class ShmCommunicator(TcpCommunicator):
             return
         flat = buf.reshape(-1)
         with self._collective("allreduce"):
+            if flat.nbytes <= SMALL_BYTES:
+                self._allreduce_small(flat, op)
+                return
             if self._own.owns(flat):
                 self._allreduce_staged(flat, op, self._own.offset_of(flat), out=None)
                 return
@@ -199,6 +202,27 @@ class ShmCommunicator(TcpCommunicator):
                 chunk = flat[lo : lo + step]
                 self._own.data[: chunk.nbytes].view(flat.dtype)[...] = chunk
                 self._allreduce_staged(self._own.data[: chunk.nbytes].view(flat.dtype), op, 0, out=chunk)
+
+    def _allreduce_small(self, flat: np.ndarray, op: ReduceOp) -> None:
+        """One synchronisation: stage into the slot of this epoch's parity, then every rank reduces
+        all slots in rank order (so every rank computes the same bits).
+
+        Alternating slots make this safe without a second barrier: a slot is written again two epochs
+        later, and every rank has passed the epoch in between only after it finished reading.
+        """
+        ufunc = reduction_ufunc(op, flat.dtype)
+        parity = (self._epoch + 1) % 2
+        nbytes = flat.nbytes
+        self._own.small[parity][:nbytes].view(flat.dtype)[...] = flat
+        self._sync()
+        slots = [seg.small[parity][:nbytes].view(flat.dtype) for seg in self._segments]
+        if self.size == 2:
+            ufunc(slots[0], slots[1], out=flat)
+            return
+        acc = slots[0].copy()
+        for m in range(1, self.size):
+            ufunc(acc, slots[m], out=acc)
+        flat[...] = acc
 
     def _allreduce_staged(self, staged: np.ndarray, op: ReduceOp, offset: int, out: np.ndarray | None) -> None:
         """Every rank's input is staged in its segment at ``offset``; reduce, then gather the shares.

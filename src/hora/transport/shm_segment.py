@@ -1,7 +1,7 @@
 """Shared-memory segments in /dev/shm: one per rank, mapped by every rank of the host.
 
-Each segment is a small control block (int64 counters this rank alone writes) followed by a data
-area. Files are created with mode 0600 under random names and unlinked as soon as every peer has
+Each segment is a small control block (int64 counters this rank alone writes), two alternating
+slots for small messages, and a data area. Files are created with mode 0600 under random names and unlinked as soon as every peer has
 mapped them, so nothing is left in /dev/shm even if every process is killed.
 """
 
@@ -14,9 +14,11 @@ import secrets
 import numpy as np
 
 SHM_DIR = "/dev/shm"
-CTRL_WORDS = 16  # [0] barrier epoch, [1] abort flag, rest reserved
+CTRL_WORDS = 16  # [0] barrier epoch, [1] abort flag, [2] data offset, rest reserved
 CTRL_BYTES = CTRL_WORDS * 8
+SMALL_BYTES = 64 * 1024  # each of the two alternating slots for small messages
 ALIGN = 4096
+HEADER_BYTES = ALIGN + 2 * SMALL_BYTES
 
 
 class Segment:
@@ -25,7 +27,7 @@ class Segment:
     def __init__(self, path: str, nbytes: int, create: bool) -> None:
         self.path = path
         self.capacity = nbytes
-        total = CTRL_BYTES + nbytes
+        total = HEADER_BYTES + nbytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -42,7 +44,11 @@ class Segment:
             if fd >= 0:
                 os.close(fd)
         self.ctrl = np.frombuffer(self._map, dtype=np.int64, count=CTRL_WORDS)
-        self.data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=CTRL_BYTES)
+        self.small = [
+            np.frombuffer(self._map, dtype=np.uint8, count=SMALL_BYTES, offset=ALIGN + i * SMALL_BYTES)
+            for i in (0, 1)
+        ]
+        self.data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
 
     @classmethod
     def create(cls, prefix: str, nbytes: int) -> "Segment":
@@ -72,6 +78,7 @@ class Segment:
     def close(self) -> None:
         self.ctrl = None  # type: ignore[assignment]
         self.data = None  # type: ignore[assignment]
+        self.small = []
         try:
             self._map.close()
         except BufferError:

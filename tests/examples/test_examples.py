@@ -1,0 +1,115 @@
+"""The examples and the DDP comparison run end to end on 2 workers, in tiny configurations.
+
+Each test starts the real launcher (`python -m hora run -np 2 ...`, or the benchmark's own driver)
+in a subprocess and checks the lines a user would look at: accuracy, img/sec, ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT_S = 120
+
+
+def _env() -> dict[str, str]:
+    """This environment without hora identity/knob variables, one compute thread per worker."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _hora_run_2(script: str, *args: str) -> str:
+    return _run(["-m", "hora", "run", "-np", "2", "python", script, *args]).stdout
+
+
+def _rank0_lines(out: str) -> list[str]:
+    return [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
+
+
+def test_numpy_logistic_regression_one_epoch():
+    out = _hora_run_2("examples/numpy_logistic_regression.py", "--epochs", "1", "--samples", "4000")
+    lines = _rank0_lines(out)
+    epoch = [line for line in lines if line.startswith("epoch 1:")]
+    assert epoch, out
+    accuracy = float(re.search(r"test accuracy ([0-9.]+)", epoch[0]).group(1))
+    assert accuracy > 0.2, epoch[0]  # 10 classes: chance is 0.1
+    assert "weights identical on all 2 workers: True" in lines, out
+
+
+def test_pytorch_mnist_one_epoch():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    out = _hora_run_2("examples/pytorch_mnist.py", "--epochs", "1", "--log-interval", "5")
+    lines = _rank0_lines(out)
+    assert any(line.startswith("Train Epoch: 1 [0/") and "Loss:" in line for line in lines), out
+    tests = [re.search(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", line) for line in lines]
+    tests = [m for m in tests if m]
+    assert len(tests) == 1, out
+    assert float(tests[0].group(2)) > 20.0, tests[0].group(0)  # 10 digits: chance is 10%
+    # Only rank 0 prints progress.
+    assert not [line for line in out.splitlines() if line.startswith("[1]<stdout>:") and "Test set" in line]
+
+
+def test_pytorch_mnist_fp16_allreduce_two_epochs_learns():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    out = _hora_run_2("examples/pytorch_mnist.py", "--epochs", "2", "--fp16-allreduce", "--log-interval", "100")
+    final = re.search(r"Final test accuracy: ([0-9.]+)%", out)
+    assert final, out
+    assert float(final.group(1)) > 60.0, final.group(0)
+
+
+def test_pytorch_synthetic_benchmark_tiny():
+    pytest.importorskip("torch")
+    out = _hora_run_2("examples/pytorch_synthetic_benchmark.py", "--num-iters", "1", "--num-batches-per-iter", "1",
+                      "--num-warmup-batches", "1", "--batch-size", "2", "--image-size", "32")
+    lines = _rank0_lines(out)
+    assert "Model: resnet18" in lines and "Batch size: 2" in lines and "Number of CPUs: 2" in lines, out
+    assert any(re.fullmatch(r"Iter #0: [0-9.]+ img/sec per CPU", line) for line in lines), out
+    assert any(re.fullmatch(r"Img/sec per CPU: [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+    assert any(re.fullmatch(r"Total img/sec on 2 CPU\(s\): [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+
+
+@pytest.mark.parametrize("script", ["examples/pytorch_synthetic_benchmark.py", "examples/pytorch_mnist.py"])
+def test_use_adasum_is_refused_clearly(script):
+    pytest.importorskip("torch")
+    if "mnist" in script:
+        pytest.importorskip("sklearn")
+    proc = subprocess.run([sys.executable, script, "--use-adasum"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "Adasum" in proc.stderr and "not" in proc.stderr, proc.stderr
+
+
+def test_torch_vs_ddp_tiny():
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("this torch build has no Gloo backend")
+    out = _run(["benchmarks/torch_vs_ddp.py", "--rounds", "1", "--warmup", "0", "--iters", "2",
+                "--batch-size", "2", "--image-size", "32"]).stdout
+    ratios = dict(re.findall(r"^ratio (\S+): ([0-9.]+)$", out, re.MULTILINE))
+    assert set(ratios) == {"hora/ddp", "hora/single", "ddp/single"}, out
+    assert all(float(value) > 0 for value in ratios.values()), out
+    rows = re.findall(r"^(hora DistributedOptimizer|torch DDP \(gloo\)|1 process, no distribution)\s+(\d+)\s+([0-9.]+)",
+                      out, re.MULTILINE)
+    assert [(label, int(workers)) for label, workers, _ in rows] == [
+        ("hora DistributedOptimizer", 2), ("torch DDP (gloo)", 2), ("1 process, no distribution", 1)], out
+    # Same initial weights (broadcast from rank 0), same data, same averaged gradients: after the
+    # same steps hora and DDP reach the same loss.
+    losses = dict(re.findall(r"round 1/1: (hora|ddp)\s.*final loss ([0-9.]+)", out))
+    assert float(losses["hora"]) == pytest.approx(float(losses["ddp"]), abs=2e-3), out
