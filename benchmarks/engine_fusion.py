@@ -3,9 +3,11 @@
 
 (a) ``fused``: 64 async allreduces of 4 KiB float32 per step (the engine fuses them);
 (b) ``single``: one 256 KiB float32 allreduce per step through the engine (same bytes as (a));
-(c) ``raw``: the same 256 KiB allreduce straight on a TCP communicator of the same job, outside the
-    engine (a second communicator from ``connect_world``, so the engine's own keeps cycling idle, as
-    it does around every engine step; each raw step also copies the input, as the engine does).
+(c) ``raw``: the same 256 KiB allreduce straight on a communicator of the same job, outside the
+    engine: a second world formed by ``connect_world()`` exactly as ``init`` forms the engine's (same
+    transport: shared memory for ranks on one host unless ``--transport tcp``), so the engine's own
+    keeps cycling idle, as it does around every engine step; each raw step also copies the input,
+    as the engine does.
 
 Reported per step, slowest rank wins: ``ratio a/b`` (near 1 means fusing 64 small tensors costs little
 more than sending one of their total size) and ``engine overhead = b - c`` in microseconds (the
@@ -14,6 +16,7 @@ The phases take turns for ``--rounds`` rounds and each keeps its best mean, as t
 
     python benchmarks/engine_fusion.py                 # 300 steps x 3 rounds
     python benchmarks/engine_fusion.py --steps 1000 --json
+    python benchmarks/engine_fusion.py --transport tcp   # force the TCP ring for both
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
     import numpy as np
 
     import hora
+    from hora import basics
     from hora.transport import ReduceOp
     from hora.transport.world import connect_world
 
-    raw = connect_world("tcp")  # formed before init: every rank calls connect_world the same times
+    raw = connect_world()  # formed as init forms the engine's world; every rank calls it once
     hora.init()
     small = [np.full(SMALL_ELEMENTS, i, np.float32) for i in range(SMALL_COUNT)]
     big = np.ones(BIG_ELEMENTS, np.float32)
@@ -69,10 +73,11 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
                 slowest = max(raw.allgather_object(mean))
                 best[name] = min(best[name], slowest)
         rank = hora.rank()
+        transport = f"{type(raw).__name__} (engine: {type(basics._ctx.world).__name__})"
     finally:
         hora.shutdown()
         raw.close()
-    return best if rank == 0 else None
+    return {"best": best, "transport": transport} if rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="timed steps per phase and round (default 300)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps before each phase (default 20)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best mean wins (default 3)")
+    parser.add_argument("--transport", choices=("auto", "tcp", "shm"), default=None,
+                        help="HORA_TRANSPORT for the job (default: hora's default, auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
@@ -87,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import hora
 
-    best = hora.run(worker, args=(args.steps, args.warmup, args.rounds), np=2)[0]
+    env = {"HORA_TRANSPORT": args.transport} if args.transport else {}
+    outcome = hora.run(worker, args=(args.steps, args.warmup, args.rounds), np=2, env=env)[0]
+    best = outcome["best"]
     us = {name: seconds * 1e6 for name, seconds in best.items()}
     report = {
         "world_size": 2,
+        "transport": outcome["transport"],
         "steps": args.steps,
         "rounds": args.rounds,
         "fused_64x4KiB_us": round(us["fused"], 1),
@@ -102,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"2 ranks, {args.steps} steps x {args.rounds} rounds, best mean per step (slowest rank)")
+        print(f"2 ranks, {args.steps} steps x {args.rounds} rounds, best mean per step (slowest rank); "
+              f"transport {outcome['transport']}")
         print(f"  (a) 64 x 4 KiB async allreduces (fused): {us['fused']:9.1f} us")
         print(f"  (b) 1 x 256 KiB allreduce (engine):     {us['single']:9.1f} us")
         print(f"  (c) 1 x 256 KiB allreduce (transport):  {us['raw']:9.1f} us")
