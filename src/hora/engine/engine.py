@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
-_SETTLE_S = 50e-6
+_BURST_GAP_S = 20e-6
 
 
 @dataclass
@@ -89,6 +89,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop_requested = False
         self._failure: HorovodInternalError | None = None
+        self._last_submit = 0.0
         self._sets: dict[int, SetState] = {}
         self._known_sets: dict[int, list[int]] = {}
         self._next_set_id = 1
@@ -161,6 +162,7 @@ class Engine:
                         "wait for it (synchronize) or use another name"
                     )
             now = time.monotonic()
+            self._last_submit = time.perf_counter()
             for request in requests:
                 request.submitted_at = now
                 state.in_flight[request.name] = request
@@ -229,16 +231,18 @@ class Engine:
             self._fail_all(HorovodInternalError(f"rank {self.global_rank}: engine thread crashed: {exc!r}"))
 
     def _settle(self) -> None:
-        """After an idle spell, let a burst of submissions finish arriving (up to one cycle time),
-        so that it is negotiated and fused as one instead of trickling over several cycles."""
-        deadline = time.monotonic() + self.settings.cycle_time_s
-        seen = -1
-        while time.monotonic() < deadline:
-            queued = sum(s.inbox.qsize() for s in self._sets.values())
-            if queued == seen or queued == 0:
+        """Let a burst of submissions (a backward pass, a grouped step) finish arriving, so that it is
+        negotiated and fused as one instead of trickling over several cycles.
+
+        A burst is submissions closer together than ``_BURST_GAP_S``; waiting yields the GIL to the
+        submitting thread, and never lasts longer than one cycle time.
+        """
+        deadline = time.perf_counter() + self.settings.cycle_time_s
+        while True:
+            now = time.perf_counter()
+            if now - self._last_submit >= _BURST_GAP_S or now >= deadline:
                 return
-            seen = queued
-            time.sleep(_SETTLE_S)
+            time.sleep(0)
 
     def _has_work(self) -> bool:
         return self._stop_requested or any(
