@@ -49,27 +49,19 @@ def test_numpy_logistic_regression_one_epoch():
     assert "weights identical on all 2 workers: True" in lines, out
 
 
-def test_pytorch_mnist_one_epoch():
+def test_pytorch_mnist_one_epoch_fp16_allreduce():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    out = _hora_run_2("examples/pytorch_mnist.py", "--epochs", "1", "--log-interval", "5")
+    out = _hora_run_2("examples/pytorch_mnist.py", "--epochs", "1", "--fp16-allreduce", "--log-interval", "5")
     lines = _rank0_lines(out)
     assert any(line.startswith("Train Epoch: 1 [0/") and "Loss:" in line for line in lines), out
     tests = [re.search(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", line) for line in lines]
     tests = [m for m in tests if m]
     assert len(tests) == 1, out
     assert float(tests[0].group(2)) > 20.0, tests[0].group(0)  # 10 digits: chance is 10%
+    assert re.search(r"Final test accuracy: [0-9.]+% after 1 epoch\(s\)", out), out
     # Only rank 0 prints progress.
     assert not [line for line in out.splitlines() if line.startswith("[1]<stdout>:") and "Test set" in line]
-
-
-def test_pytorch_mnist_fp16_allreduce_two_epochs_learns():
-    pytest.importorskip("torch")
-    pytest.importorskip("sklearn")
-    out = _hora_run_2("examples/pytorch_mnist.py", "--epochs", "2", "--fp16-allreduce", "--log-interval", "100")
-    final = re.search(r"Final test accuracy: ([0-9.]+)%", out)
-    assert final, out
-    assert float(final.group(1)) > 60.0, final.group(0)
 
 
 def test_pytorch_synthetic_benchmark_tiny():
@@ -83,15 +75,12 @@ def test_pytorch_synthetic_benchmark_tiny():
     assert any(re.fullmatch(r"Total img/sec on 2 CPU\(s\): [0-9.]+ \+-[0-9.]+", line) for line in lines), out
 
 
-@pytest.mark.parametrize("script", ["examples/pytorch_synthetic_benchmark.py", "examples/pytorch_mnist.py"])
-def test_use_adasum_is_refused_clearly(script):
+def test_use_adasum_is_refused_clearly():
     pytest.importorskip("torch")
-    if "mnist" in script:
-        pytest.importorskip("sklearn")
-    proc = subprocess.run([sys.executable, script, "--use-adasum"], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run([sys.executable, "examples/pytorch_synthetic_benchmark.py", "--use-adasum"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode != 0
-    assert "Adasum" in proc.stderr and "not" in proc.stderr, proc.stderr
+    assert "Adasum" in proc.stderr and "not implement" in proc.stderr, proc.stderr
 
 
 def test_torch_vs_ddp_tiny():

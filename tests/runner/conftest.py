@@ -69,3 +69,26 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture
 def is_alive() -> Callable[[int], bool]:
     return pid_alive
+
+
+# A stand-in for the ssh client, so the SSH launch path runs without sshd and without any network:
+# hosts in TEST-NET-1 (192.0.2.0/24) are "unreachable" (ssh's own wording, status 255); for any other
+# host the remote command runs right here under /bin/sh with the same stdin, stdout and stderr, as
+# sshd would run it. Each call's arguments are appended to $FAKE_SSH_LOG, one per line.
+FAKE_SSH = """#!/bin/bash
+if [ -n "$FAKE_SSH_LOG" ]; then printf '%s\\n' "$@" >> "$FAKE_SSH_LOG"; fi
+host="${@: -2:1}"
+case "$host" in
+  192.0.2.*) echo "ssh: connect to host $host port 22: Connection timed out" >&2; exit 255 ;;
+esac
+exec /bin/sh -c "${@: -1}"
+"""
+
+
+@pytest.fixture
+def fake_ssh(tmp_path) -> dict[str, str]:
+    """Environment entries that make hora use the fake ssh client (see FAKE_SSH)."""
+    path = tmp_path / "fake-ssh"
+    path.write_text(FAKE_SSH)
+    path.chmod(0o755)
+    return {"HORA_SSH_COMMAND": str(path), "FAKE_SSH_LOG": str(tmp_path / "fake-ssh.log")}

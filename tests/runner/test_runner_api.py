@@ -8,7 +8,7 @@ import time
 import pytest
 
 import hora
-from hora.errors import HoraError, WorkerFailedError
+from hora.errors import HoraError, LaunchError, WorkerFailedError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,5 +105,18 @@ def test_bad_arguments():
         hora.run(42, np=1)
     with pytest.raises(HoraError, match="larger than"):
         hora.run(print, np=3, hosts="localhost:2")
-    with pytest.raises(HoraError, match="not supported yet"):
-        hora.run(print, np=2, hosts="192.0.2.1:2")
+
+
+def test_unreachable_host_is_named(fake_ssh, monkeypatch):
+    for key, value in fake_ssh.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(LaunchError, match=r"cannot reach host 192\.0\.2\.1 over SSH.*Connection timed out"):
+        hora.run(print, np=2, hosts="localhost:1,192.0.2.1:1")
+
+
+def test_function_runs_on_a_remote_host_world_size_2(fake_ssh, monkeypatch):
+    for key, value in fake_ssh.items():
+        monkeypatch.setenv(key, value)
+    results = hora.run(whoami, args=(10,), np=2, hosts="localhost:1,198.51.100.7:1",
+                       network_interface="lo")
+    assert results == [(10, 2), (11, 2)]

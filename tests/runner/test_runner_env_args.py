@@ -142,7 +142,8 @@ def test_run_parser_leaves_unset_knobs_alone():
     (["run", "-np", "2", "--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile"),
     (["run", "-np", "2", "--log-level", "LOUD", "true"], "must be one of"),
     (["run", "-np", "2", "-H", "localhost:2", "--hostfile", "f", "true"], "not allowed with"),
-    (["run", "-np", "2", "-H", "192.0.2.1:2", "true"], "multi-host launch over SSH is not supported"),
+    (["run", "-np", "2", "-H", "192.0.2.1:2", "-i", "/nonexistent/key", "true"],
+     "-i/--ssh-identity-file: '/nonexistent/key' is not a file"),
 ])
 def test_cli_usage_errors_exit_2(capsys, argv, fragment):
     assert main(argv) == 2

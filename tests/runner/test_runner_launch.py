@@ -232,10 +232,12 @@ def test_missing_command_fails_cleanly_world_size_2(hora_run):
     assert "hora run: error: cannot start rank 0 on localhost" in result.stderr
 
 
-def test_remote_host_is_rejected_world_size_2(hora_run):
-    result = hora_run("run", "-np", "2", "-H", "localhost:1,192.0.2.1:1", PY, "-c", "print(1)")
-    assert result.returncode == 2
-    assert "192.0.2.1" in result.stderr and "multi-host launch over SSH is not supported yet" in result.stderr
+def test_unreachable_remote_host_is_named_world_size_2(hora_run, fake_ssh):
+    result = hora_run("run", "-np", "2", "-H", "localhost:1,192.0.2.1:1", PY, "-c", "print(1)",
+                      env=fake_ssh)
+    assert result.returncode == 1
+    assert ("hora run: error: cannot reach host 192.0.2.1 over SSH (192.0.2.1: ssh: connect to host "
+            "192.0.2.1 port 22: Connection timed out (ssh exited with status 255))") in result.stderr
     assert result.stdout == ""
 
 

@@ -3,13 +3,13 @@
 Each world size is one ``hora.run`` job (module-scoped fixture) that runs every check as a named
 section; the tests below read the sections' results (see torch_job.py).
 
-Gradient convention. For a collective inside a model, the gradient a rank receives is that of the
-*sum of every rank's loss* with respect to its own input: for ``y = allreduce(x, op=Average)`` and
-``loss_r = sum(y)`` each rank's ``x.grad`` is ``sum_r 1 / size = 1``; for ``allgather`` it is the sum
-over ranks of the upstream gradients, restricted to this rank's rows; for ``broadcast`` the root gets
-the sum of every rank's upstream gradient and the others get zeros. hora implements exactly this.
-Note that Horovod 0.28 reduces the upstream gradients of allgather and broadcast with an *average*
-(``allreduce(grad, average=True)``), i.e. its values there are ``1/size`` of these; see the report.
+Gradient convention: Horovod 0.28.1's (horovod/torch/mpi_ops.py), so a migrated script computes the
+same numbers. ``allreduce``'s backward is an allreduce of the upstream gradient with the same op (for
+``y = allreduce(x, op=Average)`` and ``loss_r = sum(y)`` each rank's ``x.grad`` is 1). ``allgather``,
+``grouped_allgather`` and ``broadcast`` average the upstream gradients across ranks (``allreduce(grad,
+op=Average)``), then allgather keeps this rank's rows and broadcast zeroes non-roots. ``reducescatter``
+allgathers the upstream gradient and multiplies it by ``size`` for Sum, passing it through for Average
+(scale factors apply as in the forward pass).
 """
 
 from __future__ import annotations
@@ -142,7 +142,11 @@ def _job_2ranks() -> list:
         uptr = u.data_ptr()
         h = hvd.allreduce_async_(u, op=hvd.Average, name="inplace.async")
         res_u = hvd.synchronize(h)
-        return {"t": t.clone(), "res_is_t": res is t, "t_ptr": t.data_ptr() == ptr,
+        b = torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16) * (r + 1)
+        bptr = b.data_ptr()
+        res_b = hvd.allreduce_(b, op=hvd.Sum)
+        return {"bf16": b.clone(), "bf16_same": res_b is b and b.data_ptr() == bptr,
+                "t": t.clone(), "res_is_t": res is t, "t_ptr": t.data_ptr() == ptr,
                 "u": u.clone(), "res_is_u": res_u is u, "u_ptr": u.data_ptr() == uptr,
                 "poll_after": hvd.poll(h)}
 
@@ -221,7 +225,8 @@ def _job_2ranks() -> list:
             "async": async_out, "poll": hvd.poll(h),
             "inplace": [t.clone() for t in b], "inplace_objects": all(x is y for x, y in zip(inplace, b)),
             "inplace_ptrs": [t.data_ptr() for t in b] == ptrs,
-            "inplace_async": [t.clone() for t in c], "inplace_async_objects": all(x is y for x, y in zip(inplace_async, c)),
+            "inplace_async": [t.clone() for t in c],
+            "inplace_async_objects": all(x is y for x, y in zip(inplace_async, c)),
             "compressed": hvd.grouped_allreduce([a[0], a[1]], compression=hvd.Compression.fp16),
         }
 
@@ -344,6 +349,23 @@ def _job_2ranks() -> list:
         (hvd.reducescatter(xa, prescale_factor=3.0) * (r + 1)).sum().backward()
         return {"sum": x.grad, "average_prescaled": xa.grad}
 
+    def grad_grouped_allgather():
+        a = torch.ones(r + 1, 2, requires_grad=True)
+        b = torch.ones(2 - r, requires_grad=True)
+        ga, gb = hvd.grouped_allgather([a, b])
+        ((ga * torch.arange(6.0).reshape(3, 2)).sum() * (r + 1) + (gb * torch.arange(3.0)).sum()).backward()
+        return {"a": a.grad, "b": b.grad, "requires_grad": ga.requires_grad and gb.requires_grad}
+
+    def grad_grouped_reducescatter():
+        a = torch.ones(5, requires_grad=True)
+        b = torch.ones(2, 3, requires_grad=True)
+        ra, rb = hvd.grouped_reducescatter([a, b], op=hvd.Sum, postscale_factor=2.0)
+        ((ra * (r + 1)).sum() + (rb * (r + 1)).sum()).backward()
+        c = torch.ones(4, requires_grad=True)
+        (rc,) = hvd.grouped_reducescatter([c])
+        (rc * (r + 1)).sum().backward()
+        return {"a": a.grad, "b": b.grad, "c": c.grad}
+
     def join():
         # Rank 0 joins at once; rank 1 reduces alone (rank 0 counts as zeros), then joins last.
         if r == 0:
@@ -378,6 +400,8 @@ def _job_2ranks() -> list:
         ("grad.broadcast", grad_broadcast),
         ("grad.alltoall", grad_alltoall),
         ("grad.reducescatter", grad_reducescatter),
+        ("grad.grouped_allgather", grad_grouped_allgather),
+        ("grad.grouped_reducescatter", grad_grouped_reducescatter),
         # last: rank 0 skips the named collectives inside (see _job_3ranks)
         ("join", join),
         ("after_join", after_join),
@@ -423,7 +447,8 @@ def _job_3ranks() -> list:
         else:
             # Meanwhile the excluded rank can use the global set.
             out["alone"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=solo)
-        out["removed"] = hvd.remove_process_set(ps) and hvd.remove_process_set(solo)
+        removed = [hvd.remove_process_set(ps), hvd.remove_process_set(solo)]  # collective: both, always
+        out["removed"] = all(removed)
         return out
 
     def join():
@@ -454,8 +479,9 @@ def ranks3() -> JobResults:
     return run_job(_job_3ranks, np=3)
 
 
-@pytest.fixture(params=["ranks2", "ranks3"])
+@pytest.fixture(params=["ranks2", "ranks3"], ids=["2ranks", "3ranks"])
 def job(request) -> JobResults:
+    """The 2-rank and the 3-rank job, for checks that hold on any world size."""
     return request.getfixturevalue(request.param)
 
 
@@ -510,6 +536,7 @@ def test_allreduce_inplace_keeps_the_tensor_2ranks(ranks2):
         assert got["res_is_t"] and got["t_ptr"]
         assert torch.equal(got["u"], torch.full((4,), 1.5, dtype=torch.float64))
         assert got["res_is_u"] and got["u_ptr"] and got["poll_after"]
+        assert got["bf16"].dtype == torch.bfloat16 and got["bf16"].tolist() == [4.5, -6.0, 9.0] and got["bf16_same"]
 
 
 def test_allreduce_async_returns_a_new_tensor_2ranks(ranks2):
@@ -635,7 +662,8 @@ def test_alltoall_with_splits(job):
 
 
 def test_alltoall_variants_2ranks(ranks2):
-    rows = {0: torch.arange(3).repeat_interleave(2).reshape(3, 2), 1: torch.arange(3).repeat_interleave(2).reshape(3, 2) + 10}
+    base = torch.arange(3).repeat_interleave(2).reshape(3, 2)
+    rows = {0: base, 1: base + 10}
     want_out = {0: torch.cat([rows[0][:1], rows[1][:2]]), 1: torch.cat([rows[0][1:], rows[1][2:]])}
     want_recv = {0: [1, 2], 1: [2, 1]}
     for r in range(2):
@@ -741,7 +769,7 @@ def test_process_set_3ranks(ranks3):
         assert got["alltoall"].tolist() == ([0.0, 20.0] if r == 0 else [1.0, 21.0])
         total = torch.arange(4.0) * 4
         assert got["reducescatter"].tolist() == (total[:2] if r == 0 else total[2:]).tolist()
-        assert got["allgather_grad"].tolist() == [2.0, 2.0]  # two members each send ones upstream
+        assert got["allgather_grad"].tolist() == [1.0, 1.0]  # two members' ones upstream, averaged
         assert got["removed"] is True
     got = ranks3.get("process_set", 1)
     assert not got["included"] and got["alone"].tolist() == [1.0] and got["removed"] is True
@@ -765,7 +793,7 @@ def test_allreduce_gradients_2ranks(ranks2):
 def _allgather_grad_expected(n: int, r: int) -> torch.Tensor:
     total_rows = sum(k + 1 for k in range(n))
     upstream = torch.arange(total_rows * 2, dtype=torch.float32).reshape(total_rows, 2)
-    summed = upstream * sum(k + 1 for k in range(n))  # sum over ranks k of (k+1) * arange
+    summed = upstream * sum(k + 1 for k in range(n)) / n  # mean over ranks k of (k+1) * arange
     start = sum(k + 1 for k in range(r))
     return summed[start : start + r + 1]
 
@@ -776,9 +804,9 @@ def test_allgather_gradient(job):
 
 
 def test_broadcast_gradient_2ranks(ranks2):
-    # root 1 gets the sum of every rank's upstream gradient (1 + 2); rank 0 gets zeros
+    # root 1 gets the mean of every rank's upstream gradient ((1 + 2) / 2); rank 0 gets zeros
     assert ranks2.get("grad.broadcast", 0).tolist() == [0.0] * 3
-    assert ranks2.get("grad.broadcast", 1).tolist() == [3.0] * 3
+    assert ranks2.get("grad.broadcast", 1).tolist() == [1.5] * 3
 
 
 def test_alltoall_gradient_2ranks(ranks2):
@@ -791,16 +819,35 @@ def test_alltoall_gradient_2ranks(ranks2):
 
 
 def test_reducescatter_gradient_2ranks(ranks2):
-    # rows 0-2 go to rank 0 (upstream 1), rows 3-4 to rank 1 (upstream 2); Sum passes them through,
-    # Average with prescale 3 scales by 3 / 2.
+    # rows 0-2 go to rank 0 (upstream 1), rows 3-4 to rank 1 (upstream 2); Sum scales them by the
+    # size (2), Average with prescale 3 by 3.
     for r in range(2):
         got = ranks2.get("grad.reducescatter", r)
-        assert got["sum"].tolist() == [1.0, 1.0, 1.0, 2.0, 2.0]
-        assert torch.allclose(got["average_prescaled"], torch.tensor([1.5, 1.5, 1.5, 3.0, 3.0]))
+        assert got["sum"].tolist() == [2.0, 2.0, 2.0, 4.0, 4.0]
+        assert torch.allclose(got["average_prescaled"], torch.tensor([3.0, 3.0, 3.0, 6.0, 6.0]))
+
+
+def test_grouped_allgather_gradient_2ranks(ranks2):
+    # a: rows 0 | 1-2 of a (3, 2) gather weighted arange(6) * (k+1), averaged over k -> 1.5 * arange(6)
+    # b: rows 0-1 | 2 of a (3,) gather weighted arange(3) on both ranks -> arange(3)
+    assert ranks2.get("grad.grouped_allgather", 0)["requires_grad"]
+    assert ranks2.get("grad.grouped_allgather", 0)["a"].tolist() == [[0.0, 1.5]]
+    assert ranks2.get("grad.grouped_allgather", 1)["a"].tolist() == [[3.0, 4.5], [6.0, 7.5]]
+    assert ranks2.get("grad.grouped_allgather", 0)["b"].tolist() == [0.0, 1.0]
+    assert ranks2.get("grad.grouped_allgather", 1)["b"].tolist() == [2.0]
+
+
+def test_grouped_reducescatter_gradient_2ranks(ranks2):
+    # Sum with postscale 2: rank k's block gets upstream 2 (k+1) x size 2; Average: upstream (k+1)
+    for r in range(2):
+        got = ranks2.get("grad.grouped_reducescatter", r)
+        assert got["a"].tolist() == [4.0, 4.0, 4.0, 8.0, 8.0]
+        assert got["b"].tolist() == [[4.0] * 3, [8.0] * 3]
+        assert got["c"].tolist() == [1.0, 1.0, 2.0, 2.0]
 
 
 def test_reducescatter_gradient_3ranks(ranks3):
-    # 7 rows -> 3, 2, 2; rank k's block has upstream (k+1); Average divides by 3
-    want = torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]) / 3
+    # 7 rows -> 3, 2, 2; rank k's block has upstream (k+1); Average passes it through
+    want = torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0])
     for r in range(3):
         assert torch.allclose(ranks3.get("grad.reducescatter", r), want)

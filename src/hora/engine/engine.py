@@ -271,6 +271,15 @@ class Engine:
             for bit, request in list(state.by_bit.items()):
                 if now - request.submitted_at > self.settings.stall_warning_s:
                     state.invalid.add(bit)
+        # A grouped collective travels as one unit: when one member goes by name, all of them do, and
+        # invalidating their bits makes every other rank renegotiate the whole group by name too.
+        if state.by_bit and (state.uncached or state.invalid):
+            named = {r.signature.group for r in state.uncached if r.signature.group}
+            named.update(state.by_bit[b].signature.group for b in state.invalid if b in state.by_bit)
+            named.discard("")
+            for bit, request in list(state.by_bit.items()):
+                if request.signature.group in named:
+                    state.invalid.add(bit)
 
     def _cycle(self, state: SetState) -> bool:
         """One negotiation cycle of one process set; True when the job is shutting down."""

@@ -82,6 +82,7 @@ class JobOutcome:
     size: int
     returncodes: dict[int, int | None] = field(default_factory=dict)
     failure: WorkerExit | None = None
+    also_failed: list[WorkerExit] = field(default_factory=list)
     stopped: int = 0
     signal: int | None = None
 
@@ -105,7 +106,12 @@ class JobOutcome:
                     f"{_count(self.stopped, 'running worker')}")
         if self.failure is None:
             return None
-        return self.failure.description + self.stopped_suffix()
+        others = ""
+        if self.also_failed:
+            # Seen together with the first failure, before anything was stopped: with a dead peer
+            # the survivors fail too, and which exit is noticed first is a race worth disclosing.
+            others = "; also failed on their own: " + ", ".join(f.description for f in self.also_failed)
+        return self.failure.description + others + self.stopped_suffix()
 
     def stopped_suffix(self) -> str:
         """``; stopped the other 3 workers`` (empty when no other worker was still running)."""
@@ -222,7 +228,19 @@ class _Supervisor:
             self._record(rank, returncode)
             if returncode != 0:
                 self.outcome.failure = WorkerExit(rank, self.hosts[rank], returncode, detail)
+                self._record_pending_failures()
                 return
+
+    def _record_pending_failures(self) -> None:
+        """Record exits already reported (none of them caused by us: nothing was stopped yet)."""
+        while True:
+            try:
+                rank, returncode, detail = self.exits.get_nowait()
+            except queue.Empty:
+                return
+            self._record(rank, returncode)
+            if returncode != 0:
+                self.outcome.also_failed.append(WorkerExit(rank, self.hosts[rank], returncode, detail))
 
     def _drain_exits(self, deadline: float, patient: bool = True) -> None:
         while self.running:

@@ -178,12 +178,10 @@ def _children_of(pid: int) -> list:
 class Wrapper:
     """Runs one worker for the launcher at the other end of stdin (see the module docstring)."""
 
-    def __init__(self, payload: dict, stdin) -> None:
+    def __init__(self, payload: dict, stdin_fd: int) -> None:
         self.payload = payload
-        self.stdin = stdin
+        self.stdin_fd = stdin_fd
         self.token = str(payload["token"])
-        self.host = str(payload.get("host", socket.gethostname()))
-        self.rank = payload.get("rank", "?")
         self.grace = float(payload.get("kill_grace", 5.0))
         self.stdin_closed = threading.Event()
         self.signalled = None  # set from a signal handler: a plain attribute, no locks
@@ -205,11 +203,12 @@ class Wrapper:
 
     # -- stop requests --
     def _watch_stdin(self) -> None:
+        # Raw reads of the descriptor: the payload has been consumed, nothing else is ever sent,
+        # and a thread blocked in a buffered reader would trip the interpreter's exit.
         try:
-            reader = getattr(self.stdin, "read1", self.stdin.read)
-            while reader(65536):
+            while os.read(self.stdin_fd, 65536):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         self.stdin_closed.set()
 
@@ -329,8 +328,10 @@ def main() -> int:
     except (ValueError, EOFError) as exc:
         sys.stderr.write(f"hora: no valid launch payload arrived on stdin ({exc})\n")
         return 2
-    return Wrapper(payload, stdin).run()
+    return Wrapper(payload, stdin.fileno()).run()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # the stdin watcher may still be blocked in read(): nothing else to clean up

@@ -48,8 +48,9 @@ def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
     if not params or all(p in optimizer.state and optimizer.state[p] for p in params):
         return
     saved = [(p, p.detach().clone(), p.grad) for p in params]
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)  # it takes sparse gradients only (as Horovod does)
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
     _base_step(optimizer)
     with torch.no_grad():
         for p, data, grad in saved:

@@ -201,7 +201,7 @@ class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         ps = ctx.process_set
-        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Sum, process_set=ps))
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ps))
         dims = synchronize(allgather_async(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ps))
         me = _set_ranks(ps).index(basics.rank())
         offset = int(dims[:me].sum())
@@ -221,9 +221,28 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
 
 
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        # as for allgather: sum the upstream gradients over ranks, keep this rank's rows of each
+        ps = ctx.process_set
+        grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_outputs], op=Average, process_set=ps))
+        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ps))
+        me = _set_ranks(ps).index(basics.rank())
+        offsets = dims[:me].sum(0).tolist()
+        return (None, None, *[g.narrow(0, o, d) for g, o, d in zip(grads, offsets, ctx.dims)])
+
+
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather each tensor of the list, as one fused unit; differentiable."""
+    return list(_GroupedAllgatherFunction.apply(name, process_set, *tensors))
 
 
 # ---- broadcast ----------------------------------------------------------------------------------
@@ -253,7 +272,7 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Sum, process_set=ctx.process_set))
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set))
         if basics.rank() != ctx.root_rank:
             grad = grad * 0
         return grad, None, None, None
@@ -321,8 +340,8 @@ class _ReducescatterFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         op, ps, scale = ctx.args
         grad = synchronize(allgather_async(grad_output.contiguous(), process_set=ps))
-        if op == Average:
-            scale /= len(_set_ranks(ps))
+        if op == Sum:  # Horovod's convention (same results after migrating): Sum scales by size,
+            scale *= len(_set_ranks(ps))  # Average passes the gathered gradient through
         return (grad * scale if scale != 1.0 else grad), None, None, None, None, None
 
 
@@ -344,12 +363,30 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
 
 
+class _GroupedReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, process_set, prescale_factor * postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                             prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        # as for reducescatter: gather every rank's block gradient, scaled as the forward scaled
+        op, ps, scale = ctx.args
+        grads = synchronize(grouped_allgather_async([g.contiguous() for g in grad_outputs], process_set=ps))
+        if op == Sum:  # Horovod's convention (same results after migrating): Sum scales by size,
+            scale *= len(_set_ranks(ps))  # Average passes the gathered gradient through
+        return (None, None, None, None, None, *[g * scale if scale != 1.0 else g for g in grads])
+
+
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression=Compression.none,
                           op: int = Average, process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reducescatter each tensor of the list, as one fused unit; differentiable."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([c for c, _ in pairs], name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    outs = _GroupedReducescatterFunction.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                               *[c for c, _ in pairs])
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 

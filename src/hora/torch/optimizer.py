@@ -129,8 +129,18 @@ class _DistributedOptimizer:
             # Not used in this step on this rank: contribute zeros so every rank reduces the same set.
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse and self._sparse_as_dense:
-            p.grad = p.grad.to_dense()
+            return p.grad.to_dense()  # reduced dense; _land turns the result back into a sparse gradient
         return p.grad
+
+    @staticmethod
+    def _land(p: torch.Tensor, reduced: torch.Tensor) -> None:
+        """Put a reduced gradient into ``p.grad``: in place, or (sparse_as_dense) back in sparse form,
+        as Horovod does, so optimizers that need sparse gradients (SparseAdam) still get them."""
+        if p.grad.is_sparse:
+            p.grad = reduced.to_sparse(p.grad.sparse_dim())
+        else:
+            with torch.no_grad():
+                p.grad.copy_(reduced)
 
     def _start(self, p: torch.Tensor) -> None:
         grad = self._dense_grad(p)
@@ -149,8 +159,7 @@ class _DistributedOptimizer:
 
         def finish(result, p=p, ctx=ctx, compressed=compressed):
             if compressed is not p.grad:
-                with torch.no_grad():
-                    p.grad.copy_(self._compression.decompress(result, ctx))
+                self._land(p, self._compression.decompress(result, ctx))
         self._pending[p] = _Pending(handle, finish)
 
     def _start_group(self, index: int) -> None:
@@ -160,15 +169,16 @@ class _DistributedOptimizer:
             raise ValueError("grouped allreduce does not take sparse gradients; pass sparse_as_dense=True")
         pairs = [self._compression.compress(g) for g in grads]
         pre, post = self._scales()
-        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=f"allreduce.group.{index}",
+        # Named after its first parameter, as Horovod does: two optimizers in one process (with
+        # different named_parameters) then never share a name for groups of different shapes.
+        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=self._names[params[0]],
                                                   op=self._op, prescale_factor=pre, postscale_factor=post,
                                                   process_set=self._process_set)
 
         def finish(results, params=params, pairs=pairs):
-            with torch.no_grad():
-                for p, result, (compressed, ctx) in zip(params, results, pairs):
-                    if compressed is not p.grad:
-                        p.grad.copy_(self._compression.decompress(result, ctx))
+            for p, result, (compressed, ctx) in zip(params, results, pairs):
+                if compressed is not p.grad:
+                    self._land(p, self._compression.decompress(result, ctx))
         self._pending[index] = _Pending(handle, finish)
 
     # ---- the optimizer interface ----------------------------------------------------------------
@@ -247,7 +257,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
                                         if k not in ("__dict__", "__weakref__")})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
+    # Leave behind instance attributes that would shadow the wrapper's methods: an LR scheduler built
+    # on the plain optimizer replaces its ``step`` with a bound wrapper that would skip the allreduce.
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                             if k not in _DistributedOptimizer.__dict__})
     wrapped._hora_setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
                         groups if groups is not None else (num_groups or None), sparse_as_dense, process_set)
     return wrapped

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""How close hora's allreduce gets to the network's limit across hosts.
+
+A ring allreduce of S bytes over p hosts must move 2(p-1)/p * S bytes through every host's link, so
+on links of B bytes/s no allreduce can take less than the *ring bound* ``2(p-1)/p * S / B``. This
+script runs one rank per host, times a float32 allreduce of ``--size-mib`` (default 64 MiB) through
+hora's engine (slowest rank wins, best and median of ``--iters``), and reports that time as a
+multiple of the bound (1.00x would be line rate) and the bus bandwidth it implies.
+
+By default it builds its own cluster (needs root): 4 network-namespace hosts with sshd, each behind a
+link shaped to 1 Gbit/s with ``tc tbf`` (tests/cluster/emucluster.py), launched with
+``hora run -H ...`` over SSH from the root namespace. On one machine all hosts share its cores, so
+the reduction arithmetic and the kernel's copies compete with each other, which a real cluster
+would not have. Given ``--hosts`` it runs on an existing cluster instead (real or emulated).
+
+    python benchmarks/cluster_allreduce.py                          # 4 emulated hosts, 1 Gbit/s, 64 MiB
+    python benchmarks/cluster_allreduce.py --link-gbit 0.5 --size-mib 32 --iters 5
+    python benchmarks/cluster_allreduce.py --hosts h1,h2,h3,h4 -p 22 -i ~/.ssh/id_ed25519 \\
+        --network-interfaces eth0 --link-gbit 10                    # a real cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1024 * 1024
+
+
+def ring_bound_seconds(size_bytes: int, ranks: int, link_bytes_per_s: float) -> float:
+    """The least time a ring allreduce of ``size_bytes`` can take over links of that speed."""
+    return 2 * (ranks - 1) / ranks * size_bytes / link_bytes_per_s
+
+
+def worker(size_mib: float, iters: int, warmup: int, out: str) -> int:
+    """One rank: time ``iters`` allreduces (slowest rank per iteration); rank 0 writes the list."""
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    data = np.ones(int(size_mib * MiB) // 4, dtype=np.float32)
+    for i in range(warmup):
+        hora.allreduce(data, op=hora.Sum, name="cluster_allreduce")
+    times = []
+    for _ in range(iters):
+        hora.barrier()
+        start = time.perf_counter()
+        result = hora.allreduce(data, op=hora.Sum, name="cluster_allreduce")
+        elapsed = time.perf_counter() - start
+        times.append(float(hora.allreduce(np.array([elapsed]), op=hora.Max, name="slowest")[0]))
+    ok = bool(result[0] == hora.size() and result[-1] == hora.size())
+    if hora.rank() == 0:
+        Path(out).write_text(json.dumps({"times": times, "ranks": hora.size(), "correct": ok,
+                                         "bytes": int(data.nbytes)}))
+    hora.shutdown()
+    return 0 if ok else 1
+
+
+def launch(hosts: list[str], ssh_flags: list[str], interfaces: str | None, args: argparse.Namespace,
+           out: str) -> None:
+    argv = [sys.executable, "-m", "hora", "run", "-np", str(len(hosts)),
+            "-H", ",".join(f"{h}:1" for h in hosts), *ssh_flags]
+    if interfaces:
+        argv += ["--network-interfaces", interfaces]
+    argv += [sys.executable, str(Path(__file__).resolve()), "--worker", out,
+             "--size-mib", str(args.size_mib), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    result = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, text=True,
+                            timeout=args.timeout)
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout + result.stderr)
+        raise SystemExit(f"cluster_allreduce: the job failed with status {result.returncode}")
+
+
+def report(data: dict, link_gbit: float, where: str, as_json: bool) -> None:
+    ranks, size = data["ranks"], data["bytes"]
+    bound = ring_bound_seconds(size, ranks, link_gbit * 1e9 / 8)
+    best, median = min(data["times"]), statistics.median(data["times"])
+    row = {
+        "size_bytes": size, "ranks": ranks, "link_gbit": link_gbit, "iters": len(data["times"]),
+        "bound_s": bound, "best_s": best, "median_s": median,
+        "best_over_bound": best / bound, "median_over_bound": median / bound,
+        "busbw_gbit": 2 * (ranks - 1) / ranks * size * 8 / best / 1e9,
+        "correct": data["correct"], "where": where,
+    }
+    if as_json:
+        print(json.dumps(row))
+        return
+    print(f"hora allreduce, float32, {ranks} hosts x 1 rank, links {link_gbit:g} Gbit/s ({where})")
+    print(f"{'size':>10} {'ring bound':>11} {'best':>9} {'median':>9} {'best/bound':>11} "
+          f"{'median/bound':>13} {'busbw':>12}")
+    print(f"{size / MiB:>6.0f} MiB {bound * 1e3:>8.1f} ms {best * 1e3:>6.1f} ms {median * 1e3:>6.1f} ms "
+          f"{row['best_over_bound']:>10.2f}x {row['median_over_bound']:>12.2f}x "
+          f"{row['busbw_gbit']:>6.3f} Gbit/s")
+    print(f"best time = {row['best_over_bound']:.2f} x the ring bound "
+          f"(hora reaches {100 / row['best_over_bound']:.0f}% of what the links allow)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=float, default=64.0)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--link-gbit", type=float, default=1.0,
+                        help="link speed: what the emulated links are shaped to, or what yours are")
+    parser.add_argument("--emulated-hosts", type=int, default=4,
+                        help="hosts of the emulated cluster (without --hosts)")
+    parser.add_argument("--hosts", help="comma-separated hosts of an existing cluster, one rank each")
+    parser.add_argument("-p", "--ssh-port", type=int)
+    parser.add_argument("-i", "--ssh-identity-file")
+    parser.add_argument("--network-interfaces")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the job may take")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.size_mib, args.iters, args.warmup, args.worker)
+
+    with tempfile.TemporaryDirectory(prefix="hora-cluster-bench-") as tmp:
+        out = os.path.join(tmp, "times.json")
+        if args.hosts:
+            flags = []
+            if args.ssh_port:
+                flags += ["-p", str(args.ssh_port)]
+            if args.ssh_identity_file:
+                flags += ["-i", args.ssh_identity_file]
+            hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+            launch(hosts, flags, args.network_interfaces, args, out)
+            where = "given hosts"
+        else:
+            sys.path.insert(0, str(REPO / "tests" / "cluster"))
+            from emucluster import ClusterUnavailable, EmulatedCluster
+
+            rate = f"{int(round(args.link_gbit * 1000))}mbit"
+            try:
+                with EmulatedCluster(args.emulated_hosts, rate=rate) as cluster:
+                    launch([h.address for h in cluster.hosts], cluster.ssh_flags(),
+                           cluster.interfaces_flag(), args, out)
+            except ClusterUnavailable as exc:
+                raise SystemExit(f"cluster_allreduce: cannot emulate a cluster here: {exc}") from None
+            where = "emulated: network namespaces, tc tbf on both ends of each veth, sshd"
+        report(json.loads(Path(out).read_text()), args.link_gbit, where, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Smoke test of benchmarks/cluster_allreduce.py on the session's emulated cluster (4 hosts, 1 Gbit/s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from cluster_helpers import REPO, clean_env
+
+SCRIPT = REPO / "benchmarks" / "cluster_allreduce.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("cluster_allreduce", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ring_bound_formula():
+    bound = _module().ring_bound_seconds
+    # 64 MiB over 4 ranks on 1 Gbit/s links: 1.5 * 64 MiB / 125 MB/s.
+    assert math.isclose(bound(64 * 2**20, 4, 125e6), 1.5 * 64 * 2**20 / 125e6)
+    assert bound(1000, 1, 1.0) == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_cluster_allreduce_benchmark_small_world_size_4(cluster):
+    argv = [sys.executable, str(SCRIPT), "--hosts", ",".join(h.address for h in cluster.hosts),
+            *cluster.ssh_flags(), "--network-interfaces", cluster.interfaces_flag(),
+            "--link-gbit", "1", "--size-mib", "1", "--iters", "2", "--warmup", "1", "--json",
+            "--timeout", "45"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=55, env=clean_env(), cwd=str(REPO))
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["ranks"] == 4 and row["size_bytes"] == 2**20 and row["iters"] == 2 and row["correct"]
+    assert math.isclose(row["bound_s"], 1.5 * 2**20 / 125e6)
+    assert 0 < row["best_s"] <= row["median_s"] < 30
+    assert math.isclose(row["best_over_bound"], row["best_s"] / row["bound_s"])
