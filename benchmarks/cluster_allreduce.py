@@ -15,6 +15,7 @@ would not have. Given ``--hosts`` it runs on an existing cluster instead (real o
 
     python benchmarks/cluster_allreduce.py                          # 4 emulated hosts, 1 Gbit/s, 64 MiB
     python benchmarks/cluster_allreduce.py --link-gbit 0.5 --size-mib 32 --iters 5
+    python benchmarks/cluster_allreduce.py --emulated-hosts 2 --ranks-per-host 2 --compare-hierarchical
     python benchmarks/cluster_allreduce.py --hosts h1,h2,h3,h4 -p 22 -i ~/.ssh/id_ed25519 \\
         --network-interfaces eth0 --link-gbit 10                    # a real cluster
 """
@@ -66,14 +67,17 @@ def worker(size_mib: float, iters: int, warmup: int, out: str) -> int:
 
 
 def launch(hosts: list[str], ssh_flags: list[str], interfaces: str | None, args: argparse.Namespace,
-           out: str) -> None:
-    argv = [sys.executable, "-m", "hora", "run", "-np", str(len(hosts)),
-            "-H", ",".join(f"{h}:1" for h in hosts), *ssh_flags]
+           out: str, hierarchical: bool | None = None) -> None:
+    slots = args.ranks_per_host
+    argv = [sys.executable, "-m", "hora", "run", "-np", str(len(hosts) * slots),
+            "-H", ",".join(f"{h}:{slots}" for h in hosts), *ssh_flags]
     if interfaces:
         argv += ["--network-interfaces", interfaces]
     argv += [sys.executable, str(Path(__file__).resolve()), "--worker", out,
              "--size-mib", str(args.size_mib), "--iters", str(args.iters), "--warmup", str(args.warmup)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    if hierarchical is not None:
+        env["HORA_HIERARCHICAL_ALLREDUCE"] = "1" if hierarchical else "0"
     result = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, text=True,
                             timeout=args.timeout)
     if result.returncode != 0:
@@ -81,21 +85,25 @@ def launch(hosts: list[str], ssh_flags: list[str], interfaces: str | None, args:
         raise SystemExit(f"cluster_allreduce: the job failed with status {result.returncode}")
 
 
-def report(data: dict, link_gbit: float, where: str, as_json: bool) -> None:
+def report(data: dict, link_gbit: float, where: str, as_json: bool, hosts: int | None = None,
+           label: str = "") -> dict:
     ranks, size = data["ranks"], data["bytes"]
-    bound = ring_bound_seconds(size, ranks, link_gbit * 1e9 / 8)
+    hosts = hosts or ranks
+    # What each host's link must carry at the least, however many ranks share the host.
+    bound = ring_bound_seconds(size, hosts, link_gbit * 1e9 / 8)
     best, median = min(data["times"]), statistics.median(data["times"])
     row = {
         "size_bytes": size, "ranks": ranks, "link_gbit": link_gbit, "iters": len(data["times"]),
         "bound_s": bound, "best_s": best, "median_s": median,
         "best_over_bound": best / bound, "median_over_bound": median / bound,
-        "busbw_gbit": 2 * (ranks - 1) / ranks * size * 8 / best / 1e9,
-        "correct": data["correct"], "where": where,
+        "busbw_gbit": 2 * (hosts - 1) / hosts * size * 8 / best / 1e9,
+        "correct": data["correct"], "where": where, "hosts": hosts, "label": label,
     }
     if as_json:
         print(json.dumps(row))
-        return
-    print(f"hora allreduce, float32, {ranks} hosts x 1 rank, links {link_gbit:g} Gbit/s ({where})")
+        return row
+    print(f"hora allreduce{label}, float32, {hosts} hosts x {ranks // hosts} rank(s), "
+          f"links {link_gbit:g} Gbit/s ({where})")
     print(f"{'size':>10} {'ring bound':>11} {'best':>9} {'median':>9} {'best/bound':>11} "
           f"{'median/bound':>13} {'busbw':>12}")
     print(f"{size / MiB:>6.0f} MiB {bound * 1e3:>8.1f} ms {best * 1e3:>6.1f} ms {median * 1e3:>6.1f} ms "
@@ -103,6 +111,7 @@ def report(data: dict, link_gbit: float, where: str, as_json: bool) -> None:
           f"{row['busbw_gbit']:>6.3f} Gbit/s")
     print(f"best time = {row['best_over_bound']:.2f} x the ring bound "
           f"(hora reaches {100 / row['best_over_bound']:.0f}% of what the links allow)")
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-p", "--ssh-port", type=int)
     parser.add_argument("-i", "--ssh-identity-file")
     parser.add_argument("--network-interfaces")
+    parser.add_argument("--ranks-per-host", type=int, default=1)
+    parser.add_argument("--compare-hierarchical", action="store_true",
+                        help="run flat ring and hierarchical allreduce on the same cluster, alternating "
+                             "--rounds times, and print both and their ratio")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations with --compare-hierarchical")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the job may take")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
@@ -134,21 +148,46 @@ def main(argv: list[str] | None = None) -> int:
             if args.ssh_identity_file:
                 flags += ["-i", args.ssh_identity_file]
             hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-            launch(hosts, flags, args.network_interfaces, args, out)
             where = "given hosts"
+            if args.compare_hierarchical:
+                return compare_hierarchical(hosts, flags, args.network_interfaces, args, out, where)
+            launch(hosts, flags, args.network_interfaces, args, out)
         else:
             sys.path.insert(0, str(REPO / "tests" / "cluster"))
             from emucluster import ClusterUnavailable, EmulatedCluster
 
             rate = f"{int(round(args.link_gbit * 1000))}mbit"
+            where = "emulated: network namespaces, tc tbf on both ends of each veth, sshd"
             try:
                 with EmulatedCluster(args.emulated_hosts, rate=rate) as cluster:
-                    launch([h.address for h in cluster.hosts], cluster.ssh_flags(),
-                           cluster.interfaces_flag(), args, out)
+                    hosts = [h.address for h in cluster.hosts]
+                    if args.compare_hierarchical:
+                        return compare_hierarchical(hosts, cluster.ssh_flags(), cluster.interfaces_flag(),
+                                                    args, out, where)
+                    launch(hosts, cluster.ssh_flags(), cluster.interfaces_flag(), args, out)
             except ClusterUnavailable as exc:
                 raise SystemExit(f"cluster_allreduce: cannot emulate a cluster here: {exc}") from None
-            where = "emulated: network namespaces, tc tbf on both ends of each veth, sshd"
-        report(json.loads(Path(out).read_text()), args.link_gbit, where, args.json)
+        report(json.loads(Path(out).read_text()), args.link_gbit, where, args.json, hosts=len(hosts))
+    return 0
+
+
+def compare_hierarchical(hosts: list[str], flags: list[str], interfaces: str | None,
+                         args: argparse.Namespace, out: str, where: str) -> int:
+    """Flat ring and hierarchical allreduce, taking turns on the same cluster; best of each."""
+    best: dict[bool, dict] = {}
+    for _ in range(args.rounds):
+        for hierarchical in (False, True):
+            launch(hosts, flags, interfaces, args, out, hierarchical=hierarchical)
+            data = json.loads(Path(out).read_text())
+            if hierarchical not in best or min(data["times"]) < min(best[hierarchical]["times"]):
+                best[hierarchical] = data
+    rows = {h: report(best[h], args.link_gbit, where, args.json, hosts=len(hosts),
+                      label=" (hierarchical)" if h else " (flat ring)") for h in (False, True)}
+    ratio = rows[False]["best_s"] / rows[True]["best_s"]
+    if args.json:
+        print(json.dumps({"flat_over_hierarchical": ratio}))
+    else:
+        print(f"hierarchical is {ratio:.2f}x as fast as the flat ring (best of {args.rounds} rounds each)")
     return 0
 
 
