@@ -31,7 +31,8 @@ from hora.transport.tcp_mesh import local_machine_id
 logger = logging.getLogger(__name__)
 
 _EPOCH, _ABORT, _OFFSET = 0, 1, 2
-_SPIN_CHECKS = 200
+_SPIN_CHECKS = 50
+_YIELD_FOR_S = 0.002
 _LIVENESS_EVERY_S = 0.05
 
 
@@ -137,6 +138,7 @@ class ShmCommunicator(TcpCommunicator):
                 continue
             ctrl = segment.ctrl
             checks = 0
+            waited_since = None
             while ctrl[_EPOCH] < target:
                 if ctrl[_ABORT]:
                     raise PeerFailureError(
@@ -144,8 +146,12 @@ class ShmCommunicator(TcpCommunicator):
                 checks += 1
                 if checks < _SPIN_CHECKS:
                     continue
-                time.sleep(0 if checks < 4 * _SPIN_CHECKS else 20e-6)  # let other threads have the GIL
+                # Yield the GIL (this process's other threads keep working) and the CPU; only a long
+                # wait (the peer is busy elsewhere) backs off to real sleeps.
                 now = time.monotonic()
+                if waited_since is None:
+                    waited_since = now
+                time.sleep(0 if now - waited_since < _YIELD_FOR_S else 50e-6)
                 if now >= next_liveness:
                     next_liveness = now + _LIVENESS_EVERY_S
                     self._check_alive(member)
