@@ -34,6 +34,8 @@ _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 _BURST_GAP_S = 20e-6
+_IDLE_CYCLES_BEFORE_BACKOFF = 10
+_MAX_IDLE_WAIT_S = 0.01
 
 
 @dataclass
@@ -90,6 +92,8 @@ class Engine:
         self._stop_requested = False
         self._failure: HorovodInternalError | None = None
         self._last_submit = 0.0
+        self._idle_cycles = 0
+        self._progress = False
         self._sets: dict[int, SetState] = {}
         self._known_sets: dict[int, list[int]] = {}
         self._next_set_id = 1
@@ -208,8 +212,12 @@ class Engine:
             while True:
                 # Idle ranks still cycle every cycle_time (peers may be waiting on them); with work,
                 # cycles run back to back, each first letting a burst of submissions settle.
-                if self._has_work() or self._wake.wait(self.settings.cycle_time_s):
+                # Cycle again at once only after progress (or when new requests are queued);
+                # otherwise wait for a submission, or the cycle time (longer when idle a while).
+                if self._progress or self._stop_requested or self._inbox_pending() or \
+                        self._wake.wait(self._idle_wait()):
                     self._settle()
+                self._progress = False
                 self._wake.clear()
                 if self.timeline is not None:
                     self.timeline.cycle()
@@ -230,6 +238,20 @@ class Engine:
             logger.exception("rank %d: engine thread crashed", self.global_rank)
             self._fail_all(HorovodInternalError(f"rank {self.global_rank}: engine thread crashed: {exc!r}"))
 
+    def _idle_wait(self) -> float:
+        """Seconds an idle engine waits before its next cycle.
+
+        Every idle cycle is a collective, so it costs CPU that training needs (a forward pass is all
+        idle cycles). After a few idle cycles the wait grows, up to ``_MAX_IDLE_WAIT_S``; a submission
+        on this rank still wakes it at once, and ranks doing the same work (a backward pass) submit at
+        about the same time, so only a rank that lags behind its peers is woken late.
+        """
+        base = self.settings.cycle_time_s
+        if self._has_work():  # waiting on peers: keep the cycle time
+            return base
+        extra = self._idle_cycles - _IDLE_CYCLES_BEFORE_BACKOFF
+        return base if extra <= 0 else min(_MAX_IDLE_WAIT_S, base * (1 + extra))
+
     def _settle(self) -> None:
         """Let a burst of submissions (a backward pass, a grouped step) finish arriving, so that it is
         negotiated and fused as one instead of trickling over several cycles.
@@ -244,6 +266,9 @@ class Engine:
                 return
             time.sleep(0)
 
+    def _inbox_pending(self) -> bool:
+        return any(not s.inbox.empty() or s.uncached for s in self._sets.values())
+
     def _has_work(self) -> bool:
         return self._stop_requested or any(
             not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting for s in self._sets.values()
@@ -256,6 +281,7 @@ class Engine:
                 request = state.inbox.get_nowait()
             except queue.Empty:
                 break
+            self._progress = True
             if not use_cache or request.signature.kind in (Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET):
                 state.uncached.append(request)
                 continue
@@ -330,6 +356,9 @@ class Engine:
             for item in items:
                 state.cache.touch(item.response.name)
             self._execute(state, items)
+        if items:
+            self._progress = True
+        self._idle_cycles = 0 if self._progress or self._has_work() else self._idle_cycles + 1
 
         if flags_any & _FLAG_UNCACHED:
             return self._negotiate(state, now)
@@ -389,6 +418,7 @@ class Engine:
                 request = state.awaiting.pop(response.name, None)
             items.append(Item(response, request))
         if items:
+            self._progress = True
             self._execute(state, items)
         return False
 

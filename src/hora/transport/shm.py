@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 _EPOCH, _ABORT, _OFFSET = 0, 1, 2
 _SPIN_CHECKS = 50
-_YIELD_FOR_S = 0.002
+_YIELD_FOR_S = 0.0002
+_MAX_NAP_S = 0.001
 _LIVENESS_EVERY_S = 0.05
 
 
@@ -151,7 +152,10 @@ class ShmCommunicator(TcpCommunicator):
                 now = time.monotonic()
                 if waited_since is None:
                     waited_since = now
-                time.sleep(0 if now - waited_since < _YIELD_FOR_S else 50e-6)
+                waited = now - waited_since
+                # Past a short yield, sleep in growing steps (capped): the peer is still computing,
+                # and spinning would steal the core this process's training thread needs.
+                time.sleep(0 if waited < _YIELD_FOR_S else min(_MAX_NAP_S, max(50e-6, waited / 8)))
                 if now >= next_liveness:
                     next_liveness = now + _LIVENESS_EVERY_S
                     self._check_alive(member)
