@@ -11,6 +11,7 @@ round (hora, ddp, single, hora, ddp, single, ...), and the median round is repor
 
     python benchmarks/torch_vs_ddp.py                         # resnet18, 64x64, batch 16, 2 workers
     python benchmarks/torch_vs_ddp.py --rounds 5 --iters 30 --json
+    python benchmarks/torch_vs_ddp.py --hora-env HORA_CYCLE_TIME=20      # try an engine knob
 
 Throughput is images per second: ``batch x steps / seconds`` with the slowest rank's seconds, per
 worker and in total. ``hora/ddp`` above 1 means hora trains faster; ``X/single`` is the total
@@ -67,16 +68,21 @@ def _build(cfg: Config, seed: int):
     return model, optimizer, data, target, F.cross_entropy
 
 
-def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], None]) -> tuple[float, float]:
-    """Warm up, line the ranks up, then time ``cfg.iters`` steps: (seconds, last loss)."""
+def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], None]) -> tuple[float, float, float]:
+    """Warm up, line the ranks up, then time ``cfg.iters`` steps.
+
+    Returns (seconds, last loss, CPU seconds per step of this whole process: every thread, so the
+    communication threads' share shows next to the training thread's).
+    """
     for _ in range(cfg.warmup):
         step()
     barrier()
+    cpu = time.process_time()
     start = time.perf_counter()
     loss = 0.0
     for _ in range(cfg.iters):
         loss = step()
-    return time.perf_counter() - start, loss
+    return time.perf_counter() - start, loss, (time.process_time() - cpu) / cfg.iters
 
 
 # ---- the contenders (each function body runs in a worker process) ---------------------------------
@@ -100,11 +106,11 @@ def hora_worker(cfg: Config) -> dict[str, float] | None:
         optimizer.step()
         return float(loss.detach())
 
-    seconds, loss = _timed_steps(step, cfg, hvd.barrier)
+    seconds, loss, cpu = _timed_steps(step, cfg, hvd.barrier)
     slowest = max(hvd.allgather_object(seconds))
     rank = hvd.rank()
     hvd.shutdown()
-    return {"seconds": slowest, "loss": loss} if rank == 0 else None
+    return {"seconds": slowest, "loss": loss, "cpu_per_step": cpu} if rank == 0 else None
 
 
 def ddp_worker(cfg: Config) -> dict[str, float] | None:
@@ -133,10 +139,10 @@ def ddp_worker(cfg: Config) -> dict[str, float] | None:
             optimizer.step()
             return float(loss.detach())
 
-        seconds, loss = _timed_steps(step, cfg, dist.barrier)
+        seconds, loss, cpu = _timed_steps(step, cfg, dist.barrier)
         everyone: list[Any] = [None] * size
         dist.all_gather_object(everyone, seconds)
-        return {"seconds": max(everyone), "loss": loss} if rank == 0 else None
+        return {"seconds": max(everyone), "loss": loss, "cpu_per_step": cpu} if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -151,8 +157,8 @@ def single_worker(cfg: Config) -> dict[str, float]:
         optimizer.step()
         return float(loss.detach())
 
-    seconds, loss = _timed_steps(step, cfg, lambda: None)
-    return {"seconds": seconds, "loss": loss}
+    seconds, loss, cpu = _timed_steps(step, cfg, lambda: None)
+    return {"seconds": seconds, "loss": loss, "cpu_per_step": cpu}
 
 
 # ---- driver ---------------------------------------------------------------------------------------
@@ -164,11 +170,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_contender(name: str, cfg: Config, np_: int) -> dict[str, float]:
+def run_contender(name: str, cfg: Config, np_: int, hora_env: dict[str, str] | None = None) -> dict[str, float]:
     """One timed run of one contender in fresh worker processes: seconds and img/sec."""
     import hora
 
     env = {"OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads)}
+    if name == "hora":
+        env.update(hora_env or {})
     if name == "ddp":
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo"})
     worker = {"hora": hora_worker, "ddp": ddp_worker, "single": single_worker}[name]
@@ -176,7 +184,8 @@ def run_contender(name: str, cfg: Config, np_: int) -> dict[str, float]:
     result = hora.run(worker, args=(cfg,), np=workers, env=env)[0]
     per_worker = cfg.batch_size * cfg.iters / result["seconds"]
     return {"seconds": result["seconds"], "loss": result["loss"], "workers": workers,
-            "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers}
+            "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers,
+            "cpu_ms_per_step": result["cpu_per_step"] * 1000}
 
 
 def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, Any]:
@@ -192,6 +201,7 @@ def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, An
             "img_sec_per_worker": statistics.median(r["img_sec_per_worker"] for r in results),
             "img_sec_total_best": max(totals),
             "img_sec_total_rounds": totals,
+            "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in results),
         }
 
     def ratio(a: str, b: str) -> float | None:
@@ -209,7 +219,8 @@ def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -
         f"# {cfg.model}, {cfg.image_size}x{cfg.image_size} images, batch {cfg.batch_size} per worker, "
         f"{cfg.threads} thread(s) per worker, {cfg.iters} timed steps after {cfg.warmup} warm-up; "
         f"median of {rounds} interleaved round(s)",
-        f"{'contender':<28}{'workers':>8}{'img/sec total':>15}{'per worker':>12}{'best total':>12}",
+        f"{'contender':<28}{'workers':>8}{'img/sec total':>15}{'per worker':>12}{'best total':>12}"
+        f"{'CPU ms/step':>13}",
     ]
     labels = {"hora": "hora DistributedOptimizer", "ddp": "torch DDP (gloo)", "single": "1 process, no distribution"}
     for name in CONTENDERS:
@@ -217,12 +228,14 @@ def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -
         if row is None:
             continue
         lines.append(f"{labels[name]:<28}{row['workers']:>8d}{row['img_sec_total']:>15.1f}"
-                     f"{row['img_sec_per_worker']:>12.1f}{row['img_sec_total_best']:>12.1f}")
+                     f"{row['img_sec_per_worker']:>12.1f}{row['img_sec_total_best']:>12.1f}"
+                     f"{row['cpu_ms_per_step']:>13.0f}")
     for key, value in summary["ratios"].items():
         if value is not None:
             lines.append(f"ratio {key}: {value:.3f}")
     if summary["ratios"]["hora/single"] is not None:
         lines.append(f"# X/single: total throughput over one process (ideal: {np_})")
+    lines.append("# CPU ms/step: rank 0's process CPU time per step, all threads (training + communication)")
     return "\n".join(lines)
 
 
@@ -240,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="fp16 gradients on the wire (hora: Compression.fp16; DDP: fp16_compress_hook)")
     parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of hora,ddp,single")
+    parser.add_argument("--hora-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment for hora's workers only, e.g. HORA_CYCLE_TIME=5 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the summary and every round as JSON")
     args = parser.parse_args(argv)
     if args.np < 2 or args.rounds < 1 or args.iters < 1 or args.warmup < 0:
@@ -251,21 +266,30 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: unknown contender(s) {unknown}; choose from {','.join(CONTENDERS)}")
 
+    hora_env = {}
+    for item in args.hora_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--hora-env takes NAME=VALUE, got {item!r}")
+        hora_env[key] = value
+
     def note(text: str) -> None:
         print(f"# {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    if hora_env:
+        note("hora workers' extra environment: " + " ".join(f"{k}={v}" for k, v in hora_env.items()))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS if name in wanted}
     for round_index in range(args.rounds):
         for name in runs:
             started = time.monotonic()
-            result = run_contender(name, cfg, args.np)
+            result = run_contender(name, cfg, args.np, hora_env)
             runs[name].append(result)
             note(f"round {round_index + 1}/{args.rounds}: {name:<6} {result['img_sec_total']:8.1f} img/sec total "
                  f"({result['workers']} worker(s), final loss {result['loss']:.3f}; "
                  f"{time.monotonic() - started:.1f} s with start-up)")
     summary = summarise(runs, args.np)
     if args.json:
-        print(json.dumps({"config": asdict(cfg), "np": args.np, "rounds": args.rounds,
+        print(json.dumps({"config": asdict(cfg), "np": args.np, "rounds": args.rounds, "hora_env": hora_env,
                           "summary": summary, "runs": runs}, indent=1))
     else:
         print(format_report(summary, cfg, args.np, args.rounds))

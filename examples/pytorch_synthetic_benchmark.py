@@ -3,7 +3,8 @@
 The counterpart of Horovod's ``pytorch_synthetic_benchmark``: the same flags and the same printout,
 on random images and labels generated once, so that only compute and gradient averaging are
 measured. torchvision is not needed: the ResNets are defined below. The defaults suit a small CPU
-box (64x64 images, batch 16); ``--image-size 224 --batch-size 32`` is Horovod's setting.
+box (64x64 images, batch 16, 5 warm-up batches, 10 iterations of 5 batches); Horovod's are
+``--image-size 224 --batch-size 32 --num-warmup-batches 10 --num-batches-per-iter 10``.
 
     hora run -np 2 python examples/pytorch_synthetic_benchmark.py
     hora run -np 2 python examples/pytorch_synthetic_benchmark.py --fp16-allreduce --num-iters 5
@@ -97,9 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="input batch size, per worker")
     parser.add_argument("--image-size", type=int, default=64,
                         help="height and width of the synthetic images (Horovod uses 224)")
-    parser.add_argument("--num-warmup-batches", type=int, default=10,
+    parser.add_argument("--num-warmup-batches", type=int, default=5,
                         help="number of warm-up batches that don't count towards benchmark")
-    parser.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration")
+    parser.add_argument("--num-batches-per-iter", type=int, default=5, help="number of batches per benchmark iteration")
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="CPU threads per worker (default: the host's cores divided among its workers)")
@@ -107,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--use-adasum", action="store_true", default=False,
                         help="use adasum algorithm to do reduction (not supported by hora yet)")
     parser.add_argument("--use-mixed-precision", action="store_true", default=False,
-                        help="use mixed precision for training (CUDA float16, or CPU bfloat16)")
+                        help="use mixed precision for training (float16 autocast with a gradient scaler; needs CUDA)")
     args = parser.parse_args(argv)
     args.cuda = not args.no_cuda and torch.cuda.is_available()
     return args
@@ -123,6 +124,9 @@ def main(argv=None) -> dict:
     if args.use_adasum:
         raise SystemExit("--use-adasum: hora does not implement Adasum yet (DistributedOptimizer(op=hvd.Adasum) "
                          "raises NotImplementedError); run without it to average gradients")
+    if args.use_mixed_precision and not args.cuda:
+        raise SystemExit("--use-mixed-precision needs CUDA (torch.cuda.is_available() is False here); "
+                         "on CPU, run without it")
 
     hvd.init()
     if args.cuda:
@@ -147,26 +151,23 @@ def main(argv=None) -> dict:
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
 
-    autocast_dtype = None
-    if args.use_mixed_precision:
-        autocast_dtype = torch.float16 if args.cuda else torch.bfloat16
-    scaler = torch.amp.GradScaler("cuda") if args.use_mixed_precision and args.cuda else None
+    scaler = torch.amp.GradScaler("cuda") if args.use_mixed_precision else None
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
-        if autocast_dtype is not None:
-            with torch.autocast(device_type=device.type, dtype=autocast_dtype):
-                loss = F.cross_entropy(model(data), target)
-        else:
-            loss = F.cross_entropy(model(data), target)
         if scaler is not None:
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                loss = F.cross_entropy(model(data), target)
             scaler.scale(loss).backward()
+            # Averaged gradients must be in place before the scaler unscales them; step() then
+            # must not wait for them a second time.
             optimizer.synchronize()
             scaler.unscale_(optimizer)
             with optimizer.skip_synchronize():
                 scaler.step(optimizer)
             scaler.update()
         else:
+            loss = F.cross_entropy(model(data), target)
             loss.backward()
             optimizer.step()
         if args.cuda:
