@@ -324,7 +324,7 @@ def submit_control(kind: Kind, name: str, process_set: ProcessSet | None = None,
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set; every rank of the job must call it, in the same order."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    eng = engine()
+    engine()  # raises the init() message when hora is not initialised
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is already registered")
     world = size()
@@ -337,7 +337,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     handle = submit_control(Kind.PROCESS_SET, f"__process_set.{next(_ctx.op_names)}", op="add", splits=tuple(ps.ranks))
     ps.process_set_id = int(handle.wait())
     _ctx.process_sets[ps.process_set_id] = ps
-    del eng
     return ps
 
 

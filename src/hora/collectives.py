@@ -10,7 +10,6 @@ import itertools
 from typing import Any, Sequence
 
 import cloudpickle
-import ml_dtypes
 import numpy as np
 
 from hora import basics

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hora.engine.cache import Lookup, ResponseCache
-from hora.engine.coordinator import Coordinator, Response
+from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
-from hora.engine.request import Handle, Kind, Request, Signature
+from hora.engine.request import Handle, Kind, Request
 from hora.engine.timeline import Timeline
 from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
