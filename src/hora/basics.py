@@ -122,6 +122,13 @@ def _engine_settings() -> EngineSettings:
 def _connect_store() -> tuple[RendezvousClient, str, int, int]:
     """The job's store, or, for a script started without a launcher, a private one (size 1)."""
     if config.get("rendezvous_addr") is None:
+        foreign = config.foreign_launcher_world_size()
+        if foreign is not None:
+            raise HoraError(
+                f"this process is one of {foreign[1]} started by another launcher ({foreign[0]}={foreign[1]}), "
+                "but hora joins only jobs started by `hora run` or hora.run(); running each process as "
+                "its own job would train unsynchronised models. Start it with `hora run -np N ...`"
+            )
         if config.get("size") not in (None, 1):
             raise HoraError("HORA_SIZE is set but HORA_RENDEZVOUS_ADDR is not: start workers with `hora run`")
         secret = new_secret()

@@ -193,6 +193,26 @@ def env_for(name: str, value: Any, with_alias: bool = True) -> dict[str, str]:
     return out
 
 
+_FOREIGN_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+
+
+def foreign_launcher_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(variable, size) when another launcher (mpirun, srun) started this process as one of several.
+
+    hora cannot join such a job without its own rendezvous; callers refuse to run it as N separate
+    one-process jobs, which would silently train N unsynchronised models.
+    """
+    env = os.environ if environ is None else environ
+    for var in _FOREIGN_WORLD_SIZE:
+        try:
+            size = int(env.get(var, "0"))
+        except ValueError:
+            continue
+        if size > 1:
+            return var, size
+    return None
+
+
 def environ_copy() -> dict[str, str]:
     """The process environment, for launchers that pass it on to workers."""
     return dict(os.environ)

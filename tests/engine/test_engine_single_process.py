@@ -206,3 +206,18 @@ def test_timeline_start_and_stop_at_size_1(solo, tmp_path):
     names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert "traced" in names
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= {e["name"] for e in events}
+
+
+@pytest.mark.timeout(60)
+def test_init_refuses_a_foreign_launchers_multi_process_job() -> None:
+    """Under mpirun/srun without hora's rendezvous, init() must not run N separate one-rank jobs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env["OMPI_COMM_WORLD_SIZE"] = "2"
+    proc = subprocess.run([sys.executable, "-c", "import hora; hora.init()"], env=env,
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0
+    assert "OMPI_COMM_WORLD_SIZE=2" in proc.stderr and "hora run" in proc.stderr, proc.stderr
