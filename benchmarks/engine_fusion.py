@@ -6,7 +6,8 @@
 (c) ``raw``: the same 256 KiB allreduce straight on a communicator of the same job, outside the
     engine: a second world formed by ``connect_world()`` exactly as ``init`` forms the engine's (same
     transport: shared memory for ranks on one host unless ``--transport tcp``), so the engine's own
-    keeps cycling idle, as it does around every engine step; each raw step also copies the input,
+    keeps cycling idle, as it does around every engine step; each raw step also copies the input in
+    to the transport's own buffer (``allocate()``, shared memory) and the result out to a new array,
     as the engine does.
 
 Reported per step, slowest rank wins: ``ratio a/b`` (near 1 means fusing 64 small tensors costs little
@@ -44,7 +45,9 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
     hora.init()
     small = [np.full(SMALL_ELEMENTS, i, np.float32) for i in range(SMALL_COUNT)]
     big = np.ones(BIG_ELEMENTS, np.float32)
-    raw_buf = np.empty_like(big)
+    # The transport's best path for a tensor the caller keeps: copy in to the transport's own buffer
+    # (shared memory reduces there in place), reduce, copy out to a new result, as the engine must.
+    raw_buf = raw.allocate(big.nbytes).view(big.dtype) if hasattr(raw, "allocate") else np.empty_like(big)
 
     def fused() -> None:
         handles = [hora.allreduce_async(t, op=hora.Sum, name=f"fused.{i}") for i, t in enumerate(small)]
@@ -57,6 +60,7 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
     def transport() -> None:
         raw_buf[...] = big
         raw.allreduce(raw_buf, ReduceOp.SUM)
+        raw_buf.copy()
 
     phases = {"fused": fused, "single": single, "raw": transport}
     best = {name: float("inf") for name in phases}

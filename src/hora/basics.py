@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from hora import config
 from hora.engine.engine import Engine, EngineSettings
-from hora.engine.request import Handle, Kind, Request, Signature
+from hora.engine.request import Handle, Kind, Request, signature
 from hora.engine.timeline import Timeline
 from hora.errors import HoraError
 from hora.rendezvous.auth import new_secret
@@ -324,7 +324,7 @@ def process_set_id(process_set: ProcessSet | None) -> int:
 
 def submit_control(kind: Kind, name: str, process_set: ProcessSet | None = None, **fields: Any) -> Handle:
     """Submit a collective that carries no tensor (barrier, join, process-set changes)."""
-    request = Request(name, Signature(kind, "uint8", (), **fields), None, Handle(name), process_set_id(process_set))
+    request = Request(name, signature(kind, "uint8", (), **fields), None, Handle(name), process_set_id(process_set))
     return engine().submit([request])[0]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from hora import basics
 from hora.basics import Adasum, Average, Max, Min, Product, ProcessSet, Sum, global_process_set
 from hora.engine.executor import reducescatter_rows
-from hora.engine.request import Handle, Kind, Request, Signature, dtype_name
+from hora.engine.request import Handle, Kind, Request, dtype_name, signature
 from hora.transport.base import SUPPORTED_DTYPES
 
 _OP_NAMES = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
@@ -66,7 +66,7 @@ def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: 
     name = name if name is not None else basics.next_name(kind.value)
     dtype = dtype_name(arr.dtype) if arr is not None else "uint8"
     shape = tuple(arr.shape) if arr is not None else ()
-    sig = Signature(kind, dtype, shape, **fields)
+    sig = signature(kind, dtype, shape, **fields)
     return Request(name, sig, arr, Handle(name), basics.process_set_id(process_set), output=output)
 
 
@@ -75,16 +75,21 @@ def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: 
 def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: int | None,
                        prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
                        inplace: bool = False, group: str = "", group_size: int = 0) -> Request:
+    # The training hot path (every gradient, every step): positional arguments, no keyword packing.
     op = resolve_op(op, average)
     arr = tensor if inplace else _as_array(tensor)
     if inplace:
         if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable:
             raise ValueError("in-place allreduce needs a writeable, C-contiguous numpy array")
         _as_array(arr)
-    _check_op_dtype(op, arr.dtype)
-    return _request(Kind.ALLREDUCE, name, arr, process_set, output=arr if inplace else None,
-                    op=_OP_NAMES[op], prescale=float(prescale_factor), postscale=float(postscale_factor),
-                    group=group, group_size=group_size)
+    dtype = arr.dtype
+    if op == Average and dtype.kind == "b":
+        _check_op_dtype(op, dtype)
+    if name is None:
+        name = basics.next_name(Kind.ALLREDUCE.value)
+    sig = signature(Kind.ALLREDUCE, dtype_name(dtype), arr.shape, _OP_NAMES[op], -1, float(prescale_factor),
+                    float(postscale_factor), group, group_size)
+    return Request(name, sig, arr, Handle(name), basics.process_set_id(process_set), arr if inplace else None)
 
 
 def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None, op: int | None = None,

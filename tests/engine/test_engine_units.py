@@ -10,8 +10,9 @@ import pytest
 from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator, Response
 from hora.engine.executor import Item, plan_buckets, reducescatter_rows
-from hora.engine.request import Kind, Signature
+from hora.engine.request import Kind, Signature, signature
 from hora.engine.timeline import Timeline
+from hora.transport.base import ReduceOp
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -433,3 +434,97 @@ def test_timeline_drops_an_end_without_a_begin_so_spans_stay_balanced(tmp_path):
         ("B", "QUEUE"), ("B", "QUEUE"), ("E", "QUEUE"), ("E", "QUEUE"),
     ]
     assert "late" not in {e["args"]["name"] for e in events if e["name"] == "process_name"}
+
+
+def test_cache_reuses_the_lowest_freed_bit_and_sizes_the_control_vector_by_bits_handed_out():
+    cache = ResponseCache(200)
+    assert cache.words == 0
+    for i in range(70):
+        cache.put(_response(f"t{i}"), ar())
+    assert cache.high_water == 70 and cache.words == 2
+    for name in ("t5", "t66", "t3"):
+        cache.evict_bit(cache.lookup(name, ar())[1])
+    cache.put(_response("new.a"), ar())
+    cache.put(_response("new.b"), ar())
+    assert cache.lookup("new.a", ar())[1] == 3 and cache.lookup("new.b", ar())[1] == 5
+    assert cache.high_water == 70  # freed bits are reused before new ones are handed out
+    cache.clear()
+    assert cache.high_water == 0 and cache.words == 0
+
+
+def test_signatures_are_shared_objects_that_still_compare_by_value():
+    a = signature(Kind.ALLREDUCE, "float32", (3, 4), "average")
+    assert signature(Kind.ALLREDUCE, "float32", (3, 4), "average") is a
+    assert Signature(Kind.ALLREDUCE, "float32", (3, 4), "average") == a  # built directly: equal, not same
+    assert hash(Signature(Kind.ALLREDUCE, "float32", (3, 4), "average")) == hash(a)
+    assert signature(Kind.ALLREDUCE, "float32", (3, 4), "sum") != a
+    assert a != ("ALLREDUCE", "float32")
+
+
+# ---- the control vector -------------------------------------------------------------------------
+
+
+class _AndWithPeers:
+    """A fake communicator: the BAND allreduce with fixed peer vectors."""
+
+    def __init__(self, peers: list[list[int]]) -> None:
+        self.size = 1 + len(peers)
+        self.peers = peers
+
+    def allreduce(self, buf, op) -> None:
+        import numpy as np
+
+        assert op is ReduceOp.BAND and buf.dtype == np.int64
+        for peer in self.peers:
+            buf &= np.asarray(peer, dtype=np.uint64).view(np.int64)
+
+
+def _encode(words: int, flags: int, invalid: int, ready: int) -> list[int]:
+    full = (1 << (64 * words)) - 1
+    raw = ((~flags) & (2**64 - 1)).to_bytes(8, "little") + ((~invalid) & full).to_bytes(8 * words, "little") \
+        + ready.to_bytes(8 * words, "little")
+    return [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+
+
+def test_control_exchange_ors_flags_and_invalid_bits_and_ands_ready_bits_across_words():
+    from hora.engine.engine import _exchange_control
+
+    bits = lambda *b: sum(1 << x for x in b)  # noqa: E731
+    words = 3  # bits up to 191
+    peer = _encode(words, flags=2, invalid=bits(70), ready=bits(0, 64, 130, 191))
+    comm = _AndWithPeers([peer])
+    flags, invalid, ready = _exchange_control(comm, words, 1, bits(5, 190), bits(0, 64, 65, 191))
+    assert flags == 3
+    assert invalid == bits(5, 70, 190)
+    assert ready == bits(0, 64, 191)
+
+
+def test_control_exchange_of_a_one_member_set_is_its_own_vector():
+    from hora.engine.engine import _exchange_control
+
+    comm = _AndWithPeers([])
+    assert _exchange_control(comm, 1, 1, 4, 9) == (1, 4, 9)
+
+
+def test_fine_timer_slack_lowers_the_calling_threads_slack_once():
+    import ctypes
+    import sys
+    import threading
+
+    from hora.transport.timer_slack import fine_timer_slack
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("timer slack is a Linux setting")
+    prctl = ctypes.CDLL(None).prctl
+    seen = {}
+
+    def probe() -> None:
+        seen["before"] = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+        fine_timer_slack()
+        fine_timer_slack()
+        seen["after"] = prctl(30, 0, 0, 0, 0)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    assert seen["after"] == 1000 and seen["after"] <= seen["before"]

@@ -9,6 +9,7 @@ allreduce per cycle then tells every member which cached tensors are ready every
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import OrderedDict
 
 from hora.engine.coordinator import Response
@@ -26,6 +27,10 @@ class ResponseCache:
         self.capacity = max(0, int(capacity))
         self._entries: "OrderedDict[str, int]" = OrderedDict()  # name -> bit, least recent first
         self._by_bit: list[tuple[Response, Signature] | None] = [None] * self.capacity
+        self._free: list[int] = []  # freed bits below high_water, lowest reused first (a heap)
+        #: One past the highest bit ever handed out. Identical on every member (the caches are), so
+        #: the control vector need only carry this many bits.
+        self.high_water = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -67,8 +72,11 @@ class ResponseCache:
             if len(self._entries) >= self.capacity:
                 _, bit = self._entries.popitem(last=False)
                 evicted = bit
+            elif self._free:
+                bit = heapq.heappop(self._free)
             else:
-                bit = self._by_bit.index(None)
+                bit = self.high_water
+                self.high_water += 1
             self._entries[response.name] = bit
         self._by_bit[bit] = (response, own)
         return evicted
@@ -77,12 +85,20 @@ class ResponseCache:
         if name in self._entries:
             self._entries.move_to_end(name)
 
+    @property
+    def words(self) -> int:
+        """64-bit words needed for one bit per cache entry handed out so far."""
+        return (self.high_water + 63) // 64
+
     def evict_bit(self, bit: int) -> None:
         entry = self._by_bit[bit]
         if entry is not None:
             self._entries.pop(entry[0].name, None)
             self._by_bit[bit] = None
+            heapq.heappush(self._free, bit)
 
     def clear(self) -> None:
         self._entries.clear()
         self._by_bit = [None] * self.capacity
+        self._free = []
+        self.high_water = 0

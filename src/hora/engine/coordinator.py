@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from hora.engine.request import Kind, Signature
+from hora.engine.request import Kind, Signature, signature
+
+
+_FUSIBLE = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST)
 
 
 @dataclass
@@ -26,13 +30,34 @@ class Response:
     joined: tuple[int, ...] = ()  # members contributing zeros (allreduce after join)
     last_joined: int = -1  # join: the last member to join
 
-    @property
+    # Derived facts are cached: a cached response is executed again every step.
+    @cached_property
     def cacheable(self) -> bool:
         return (
             self.error is None
             and not self.joined
-            and self.signature.kind not in (Kind.JOIN, Kind.BARRIER)
+            and self.signature.kind not in (Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET)
         )
+
+    @cached_property
+    def fusion_key(self) -> tuple | None:
+        """Responses with equal keys may share a fusion buffer; None: never fused."""
+        sig = self.signature
+        if self.error is not None or sig.kind not in _FUSIBLE:
+            return None
+        if sig.kind == Kind.ALLREDUCE:
+            return (sig.kind, sig.dtype, sig.op, sig.prescale, sig.postscale, self.joined)
+        if sig.kind == Kind.BROADCAST:
+            return (sig.kind, sig.dtype, sig.root)
+        return (sig.kind, sig.dtype)  # allgather: tensors of any row shape fuse
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes this response moves through a fusion buffer (allgather: all members' rows)."""
+        sig = self.signature
+        if sig.kind == Kind.ALLGATHER and self.rows:
+            return sum(self.rows) * sig.row_count * sig.np_dtype.itemsize
+        return sig.nbytes()
 
 
 @dataclass
@@ -107,7 +132,7 @@ class Coordinator:
         if self._joined and len(self._joined) == self.size:
             last = self._joined[-1]
             self._joined.clear()
-            join_sig = Signature(Kind.JOIN, "uint8", ())
+            join_sig = signature(Kind.JOIN, "uint8", ())
             responses.append(Response("__join__", join_sig, last_joined=last))
         return responses
 

@@ -23,19 +23,46 @@ import numpy as np
 from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
+from hora.engine import request as request_module
 from hora.engine.request import Handle, Kind, Request
 from hora.engine.timeline import Timeline
 from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
+from hora.transport.timer_slack import fine_timer_slack
 
 logger = logging.getLogger(__name__)
 
 _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
-_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_WORD = (1 << 64) - 1
+_NEVER_CACHED = frozenset((Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET))
 _BURST_GAP_S = 20e-6
 _IDLE_CYCLES_BEFORE_BACKOFF = 10
 _MAX_IDLE_WAIT_S = 0.01
+
+
+def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, ready: int) -> tuple[int, int, int]:
+    """The cycle's one collective: a bitwise AND over every member of
+    ``[~flags | ~invalid bits | ready bits]``, so flags and invalid bits come back OR-ed (anyone set
+    them) and ready bits AND-ed (everyone set them). Bits are Python ints, ``words`` 64-bit words each.
+    """
+    if comm.size == 1:
+        return flags, invalid, ready
+    full = (1 << (64 * words)) - 1
+    nbytes = 8 * words
+    vec = np.frombuffer(
+        bytearray((~flags & _WORD).to_bytes(8, "little")
+                  + (~invalid & full).to_bytes(nbytes, "little")
+                  + ready.to_bytes(nbytes, "little")),
+        dtype=np.int64,
+    )
+    comm.allreduce(vec, ReduceOp.BAND)
+    raw = vec.tobytes()
+    return (
+        ~int.from_bytes(raw[:8], "little") & _WORD,
+        ~int.from_bytes(raw[8 : 8 + nbytes], "little") & full,
+        int.from_bytes(raw[8 + nbytes :], "little"),
+    )
 
 
 @dataclass
@@ -89,6 +116,11 @@ class Engine:
         self.timeline = timeline if self.global_rank == 0 else None
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        # Held while a cycle runs, by the engine thread or by a thread waiting on a handle (drive).
+        self._cycle_lock = threading.Lock()
+        self._drivers = 0  # threads now driving cycles from Handle.wait
+        self._long_wait = True  # the engine thread waits longer than a cycle time: wake it on submit
+        self._stopped = False  # no more cycles: shut down or failed
         self._stop_requested = False
         self._failure: HorovodInternalError | None = None
         self._last_submit = 0.0
@@ -119,7 +151,7 @@ class Engine:
             executor=Executor(comm, list(members), self.settings.fusion_threshold, self.timeline),
             coordinator=Coordinator(list(members)) if comm.rank == 0 else None,
         )
-        state.executor.before_complete = lambda item, state=state: self._finished(state, item)
+        state.executor.before_complete = lambda items, state=state: self._finished(state, items)
         self._sets[set_id] = state
 
     def process_set_members(self, set_id: int) -> list[int] | None:
@@ -158,21 +190,38 @@ class Engine:
                         f"(ranks {self._known_sets[set_id]})"
                     )
                 raise ValueError(f"process set {set_id} does not exist (was it removed?)")
-            names = [r.name for r in requests]
-            for name in names:
-                if name in state.in_flight or names.count(name) > 1:
-                    raise ValueError(
-                        f"a collective named {name!r} is still in flight on rank {self.global_rank}; "
-                        "wait for it (synchronize) or use another name"
-                    )
+            in_flight = state.in_flight
+            if len(requests) == 1:
+                if requests[0].name in in_flight:
+                    self._raise_in_flight(requests[0].name)
+            else:
+                seen: set[str] = set()
+                for request in requests:
+                    if request.name in in_flight or request.name in seen:
+                        self._raise_in_flight(request.name)
+                    seen.add(request.name)
             now = time.monotonic()
             self._last_submit = time.perf_counter()
+            inbox = state.inbox
             for request in requests:
                 request.submitted_at = now
-                state.in_flight[request.name] = request
-                state.inbox.put(request)
-        self._wake.set()
+                request.handle.driver = self
+                in_flight[request.name] = request
+                inbox.put(request)
+        # The engine thread polls its inbox every cycle time; it is woken only from a longer idle
+        # wait. Waking it on every submission would cost more than the cycle it saves: it would
+        # contend for the GIL with the submitting thread, which usually goes on to wait and run the
+        # cycle itself (drive). Requests are queued before this check and the engine clears the
+        # event before draining, so a set event means a drain is still to come that will see them.
+        if self._long_wait and not self._wake.is_set():
+            self._wake.set()
         return [r.handle for r in requests]
+
+    def _raise_in_flight(self, name: str) -> None:
+        raise ValueError(
+            f"a collective named {name!r} is still in flight on rank {self.global_rank}; "
+            "wait for it (synchronize) or use another name"
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -208,35 +257,106 @@ class Engine:
     # ---- the cycle ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        try:
-            while True:
-                # Idle ranks still cycle every cycle_time (peers may be waiting on them); with work,
-                # cycles run back to back, each first letting a burst of submissions settle.
-                # Cycle again at once only after progress (or when new requests are queued);
-                # otherwise wait for a submission, or the cycle time (longer when idle a while).
-                if self._progress or self._stop_requested or self._inbox_pending() or \
-                        self._wake.wait(self._idle_wait()):
-                    self._settle()
-                self._progress = False
-                self._wake.clear()
-                if self.timeline is not None:
-                    self.timeline.cycle()
-                stop = False
-                for set_id in sorted(self._sets):
-                    state = self._sets.get(set_id)
-                    if state is not None and self._cycle(state):
-                        stop = True
-                if stop:
-                    self._fail_all(HorovodInternalError(
-                        "hora was shut down (a rank called shutdown() or exited) while this "
-                        "collective was pending"))
+        fine_timer_slack()  # the settle wait and idle waits are short sleeps
+        while not self._stopped:
+            # Idle ranks still cycle every cycle_time (peers may be waiting on them); with work,
+            # cycles run back to back, each first letting a burst of submissions settle.
+            # Cycle again at once only after progress with work still pending (or when new
+            # requests are queued); otherwise wait for a submission, or the cycle time (longer
+            # when idle a while). A rank whose work is all done has nothing to tell its peers
+            # that cannot wait for its next submission or cycle time.
+            if self._should_cycle_now() or self._wait(self._idle_wait()) or self._inbox_pending():
+                if self._drivers:
+                    # A waiting thread is running the cycles; it wakes us when it leaves.
+                    self._wake.clear()
+                    self._wait(self._idle_wait())
+                    continue
+                self._settle()
+            with self._cycle_lock:
+                if self._stopped:
                     return
+                if self._drivers:
+                    continue  # a driver arrived meanwhile: the branch above waits for it
+                self._wake.clear()
+                self._iterate()
+
+    def _wait(self, timeout: float) -> bool:
+        self._long_wait = timeout > self.settings.cycle_time_s
+        try:
+            return self._wake.wait(timeout)
+        finally:
+            self._long_wait = False
+
+    def drive(self, handle: Handle) -> None:
+        """Run cycles in a thread that waits on ``handle`` until it completes.
+
+        A training thread that synchronizes has nothing else to do, and running the cycle itself
+        saves two thread hand-offs per step (waking the engine thread, then being woken by it),
+        which cost more than a cached cycle on a busy host. Cycles follow the engine thread's
+        pacing: back to back while they make progress, else one per cycle time.
+        """
+        if threading.current_thread() is self._thread:
+            return
+        fine_timer_slack()
+        with self._lock:
+            self._drivers += 1
+        request_module.mark_waiting()  # after counting: the engine thread, seeing it, yields to us
+        try:
+            first = True
+            while not handle._finished and not self._stopped:
+                if not first and not self._should_cycle_now():
+                    if handle.wait_done(self._idle_wait()):
+                        return
+                first = False
+                if not self._cycle_lock.acquire(timeout=self.settings.cycle_time_s):
+                    continue  # the engine thread is mid-cycle; it may finish this handle
+                try:
+                    if handle._finished or self._stopped:
+                        return
+                    self._wake.clear()
+                    self._iterate()
+                finally:
+                    self._cycle_lock.release()
+        finally:
+            with self._lock:
+                self._drivers -= 1
+            if self._drivers == 0 and self._has_work():
+                self._wake.set()  # hand what is left to the engine thread
+
+    def _should_cycle_now(self) -> bool:
+        return (self._progress and self._has_work()) or self._stop_requested or self._inbox_pending()
+
+    def _iterate(self) -> None:
+        """One cycle of every process set (the caller holds ``_cycle_lock``)."""
+        self._progress = False
+        try:
+            if self.timeline is not None:
+                self.timeline.cycle()
+            stop = False
+            for set_id in sorted(self._sets):
+                state = self._sets.get(set_id)
+                if state is not None and self._cycle(state):
+                    stop = True
+            if stop:
+                self._stop(HorovodInternalError(
+                    "hora was shut down (a rank called shutdown() or exited) while this "
+                    "collective was pending"))
         except HorovodInternalError as exc:
             logger.error("%s", exc)  # the message already names the rank
-            self._fail_all(exc)
+            self._stop(exc)
         except Exception as exc:  # noqa: BLE001 - a bug must fail handles, not hang them
-            logger.exception("rank %d: engine thread crashed", self.global_rank)
-            self._fail_all(HorovodInternalError(f"rank {self.global_rank}: engine thread crashed: {exc!r}"))
+            logger.exception("rank %d: engine cycle crashed", self.global_rank)
+            self._stop(HorovodInternalError(f"rank {self.global_rank}: engine cycle crashed: {exc!r}"))
+        except BaseException:
+            # KeyboardInterrupt (or SystemExit) in a driving thread, mid-collective: the peers
+            # cannot be told where this rank stopped, so the engine cannot go on.
+            self._stop(HorovodInternalError(f"rank {self.global_rank}: interrupted during a collective"))
+            raise
+
+    def _stop(self, error: HorovodInternalError) -> None:
+        self._stopped = True
+        self._fail_all(error)
+        self._wake.set()  # the engine thread exits
 
     def _idle_wait(self) -> float:
         """Seconds an idle engine waits before its next cycle.
@@ -256,13 +376,15 @@ class Engine:
         """Let a burst of submissions (a backward pass, a grouped step) finish arriving, so that it is
         negotiated and fused as one instead of trickling over several cycles.
 
-        A burst is submissions closer together than ``_BURST_GAP_S``; waiting yields the GIL to the
-        submitting thread, and never lasts longer than one cycle time.
+        A burst is submissions closer together than ``_BURST_GAP_S``, and it is over as soon as a
+        thread blocks on a handle after the last submission (the usual end of a burst: submit, then
+        synchronize). Waiting yields the GIL to the submitting thread, never longer than one cycle.
         """
         deadline = time.perf_counter() + self.settings.cycle_time_s
         while True:
             now = time.perf_counter()
-            if now - self._last_submit >= _BURST_GAP_S or now >= deadline:
+            last = self._last_submit
+            if now - last >= _BURST_GAP_S or now >= deadline or request_module.last_wait_started > last:
                 return
             time.sleep(0)
 
@@ -276,26 +398,28 @@ class Engine:
 
     def _drain(self, state: SetState, now: float) -> None:
         use_cache = state.cache.enabled and not state.joined
-        while True:
-            try:
-                request = state.inbox.get_nowait()
-            except queue.Empty:
-                break
+        inbox = state.inbox
+        by_bit = state.by_bit
+        lookup = state.cache.lookup
+        while not inbox.empty():
+            request = inbox.get_nowait()  # only this thread (the cycle-lock holder) takes from it
             self._progress = True
-            if not use_cache or request.signature.kind in (Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET):
+            if not use_cache or request.signature.kind in _NEVER_CACHED:
                 state.uncached.append(request)
                 continue
-            status, bit = state.cache.lookup(request.name, request.signature)
+            status, bit = lookup(request.name, request.signature)
             if status is Lookup.HIT:
-                state.by_bit[bit] = request
+                by_bit[bit] = request
             else:
                 if status is Lookup.INVALID:
                     state.invalid.add(bit)
                 state.uncached.append(request)
         # A cached request that waits too long is renegotiated by name, so the stall inspector sees it.
-        if self.settings.stall_check and state.by_bit:
-            for bit, request in list(state.by_bit.items()):
-                if now - request.submitted_at > self.settings.stall_warning_s:
+        # (by_bit holds requests in submission order, so the first is the oldest.)
+        warn_after = self.settings.stall_warning_s
+        if self.settings.stall_check and by_bit and now - next(iter(by_bit.values())).submitted_at > warn_after:
+            for bit, request in list(by_bit.items()):
+                if now - request.submitted_at > warn_after:
                     state.invalid.add(bit)
         # A grouped collective travels as one unit: when one member goes by name, all of them do, and
         # invalidating their bits makes every other rank renegotiate the whole group by name too.
@@ -311,9 +435,6 @@ class Engine:
         """One negotiation cycle of one process set; True when the job is shutting down."""
         now = time.monotonic()
         self._drain(state, now)
-        cap = state.cache.capacity
-        words = (cap + 63) // 64
-        vec = np.zeros(1 + 2 * words, dtype=np.uint64)
         flags = 0
         coordinator_due = (
             state.coordinator is not None
@@ -324,39 +445,40 @@ class Engine:
             flags |= _FLAG_UNCACHED
         if self._stop_requested:
             flags |= _FLAG_SHUTDOWN
-        vec[0] = ~np.uint64(flags) & _ALL
-        invalid_bits = np.zeros(words * 64, dtype=bool)
-        ready_bits = np.zeros(words * 64, dtype=bool)
-        invalid_bits[list(state.invalid)] = True
-        ready_bits[list(state.by_bit)] = True
-        vec[1 : 1 + words] = ~np.packbits(invalid_bits, bitorder="little").view(np.uint64)
-        vec[1 + words :] = np.packbits(ready_bits, bitorder="little").view(np.uint64)
-        state.comm.allreduce(vec.view(np.int64), ReduceOp.BAND)
-
-        flags_any = int(~vec[0] & _ALL)
+        ready_mask = 0
+        for bit in state.by_bit:
+            ready_mask |= 1 << bit
+        invalid_mask = 0
+        for bit in state.invalid:
+            invalid_mask |= 1 << bit
+        flags_any, invalid_mask, ready_mask = _exchange_control(
+            state.comm, state.cache.words, flags, invalid_mask, ready_mask)
         if flags_any & _FLAG_SHUTDOWN:
             return True
-        invalid = np.flatnonzero(np.unpackbits((~vec[1 : 1 + words]).view(np.uint8), bitorder="little"))
-        ready = np.flatnonzero(np.unpackbits(vec[1 + words :].view(np.uint8), bitorder="little"))
-        invalid_set = set(int(b) for b in invalid)
         state.invalid.clear()
 
         # Cached tensors ready on every member run first, in bit order (the same on every member).
-        items = [
-            Item(state.cache.response(int(b)), state.by_bit.pop(int(b)))
-            for b in ready
-            if int(b) not in invalid_set
-        ]
-        for bit in invalid_set:
-            state.cache.evict_bit(bit)
-            request = state.by_bit.pop(bit, None)
+        items = []
+        ready_mask &= ~invalid_mask
+        by_bit = state.by_bit
+        cache = state.cache
+        while ready_mask:
+            low = ready_mask & -ready_mask
+            bit = low.bit_length() - 1
+            ready_mask ^= low
+            items.append(Item(cache.response(bit), by_bit.pop(bit), True))
+        while invalid_mask:
+            low = invalid_mask & -invalid_mask
+            bit = low.bit_length() - 1
+            invalid_mask ^= low
+            cache.evict_bit(bit)
+            request = by_bit.pop(bit, None)
             if request is not None:
                 state.uncached.append(request)
         if items:
             for item in items:
-                state.cache.touch(item.response.name)
+                cache.touch(item.response.name)
             self._execute(state, items)
-        if items:
             self._progress = True
         self._idle_cycles = 0 if self._progress or self._has_work() else self._idle_cycles + 1
 
@@ -435,19 +557,26 @@ class Engine:
         if runnable:
             state.executor.run(runnable)
 
-    def _finished(self, state: SetState, item: Item) -> None:
-        request = item.request
-        if request is None:
-            return
-        if item.response.cacheable and item.response.signature.kind != Kind.PROCESS_SET:
-            evicted = state.cache.put(item.response, request.signature)
-            # A request may still be waiting on the bit the cache just reused: renegotiate it by name.
-            waiting = state.by_bit.get(evicted) if evicted is not None else None
-            if waiting is not None and not state.cache.has_bit(evicted, waiting.name):
-                state.by_bit.pop(evicted)
-                state.uncached.append(waiting)
-        with self._lock:
-            state.in_flight.pop(request.name, None)
+    def _finished(self, state: SetState, items: list[Item]) -> None:
+        """Bookkeeping for executed items, done before their handles complete."""
+        names = []
+        for item in items:
+            request = item.request
+            if request is None:
+                continue
+            names.append(request.name)
+            if not item.from_cache and item.response.cacheable:
+                evicted = state.cache.put(item.response, request.signature)
+                # A request may still be waiting on the bit the cache just reused: renegotiate it by name.
+                waiting = state.by_bit.get(evicted) if evicted is not None else None
+                if waiting is not None and not state.cache.has_bit(evicted, waiting.name):
+                    state.by_bit.pop(evicted)
+                    state.uncached.append(waiting)
+        if names:
+            in_flight = state.in_flight
+            with self._lock:
+                for name in names:
+                    in_flight.pop(name, None)
 
     def _apply_process_set(self, state: SetState, item: Item) -> None:
         sig = item.response.signature
@@ -460,7 +589,7 @@ class Engine:
                 comm = self._make_communicator(members.index(self.global_rank), members, f"ps{set_id}")
             with self._lock:
                 self._add_set(set_id, members, comm)
-            self._finished(state, item)
+            self._finished(state, [item])
             if item.request is not None:
                 item.request.handle.set_result(set_id)
         else:
@@ -470,6 +599,6 @@ class Engine:
                 removed = self._sets.pop(set_id, None)
             if removed is not None:
                 removed.comm.close()
-            self._finished(state, item)
+            self._finished(state, [item])
             if item.request is not None:
                 item.request.handle.set_result(existed)

@@ -21,15 +21,24 @@ from hora.transport.base import Communicator, ReduceOp
 
 logger = logging.getLogger(__name__)
 
-_FUSIBLE = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST)
+#: Buckets up to this size hand out their results as views of one new array (one allocation and one
+#: copy for the whole bucket); larger ones give each result its own array, so that keeping one
+#: result alive never keeps a large bucket's memory alive.
+_SHARED_RESULT_BYTES = 1 << 20
 
 
-@dataclass
 class Item:
     """A response paired with this rank's request (None on a rank that has joined)."""
 
-    response: Response
-    request: Request | None
+    __slots__ = ("response", "request", "from_cache")
+
+    def __init__(self, response: Response, request: Request | None, from_cache: bool = False) -> None:
+        self.response = response
+        self.request = request
+        self.from_cache = from_cache  # replayed from the response cache (already cached, as is)
+
+    def __repr__(self) -> str:
+        return f"Item({self.response.name!r}, from_cache={self.from_cache})"
 
 
 @dataclass
@@ -37,17 +46,6 @@ class Bucket:
     key: tuple
     items: list[Item] = field(default_factory=list)
     nbytes: int = 0
-
-
-def _fusion_key(response: Response) -> tuple | None:
-    sig = response.signature
-    if response.error is not None or sig.kind not in _FUSIBLE:
-        return None
-    if sig.kind == Kind.ALLREDUCE:
-        return (sig.kind, sig.dtype, sig.op, sig.prescale, sig.postscale, response.joined)
-    if sig.kind == Kind.BROADCAST:
-        return (sig.kind, sig.dtype, sig.root)
-    return (sig.kind, sig.dtype)  # allgather: tensors of any row shape fuse
 
 
 def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
@@ -62,9 +60,10 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
     units: list[list[Item]] = []
     group_units: dict[tuple, list[Item]] = {}
     for item in items:
-        sig = item.response.signature
-        if sig.group and item.response.error is None:
-            unit_key = (sig.group, _fusion_key(item.response))
+        response = item.response
+        group = response.signature.group
+        if group and response.error is None:
+            unit_key = (group, response.fusion_key)
             unit = group_units.get(unit_key)
             if unit is None:
                 unit = group_units[unit_key] = []
@@ -73,8 +72,8 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
         else:
             units.append([item])
     for unit in units:
-        key = _fusion_key(unit[0].response)
-        size = sum(_item_bytes(i) for i in unit)
+        key = unit[0].response.fusion_key
+        size = unit[0].response.nbytes if len(unit) == 1 else sum(i.response.nbytes for i in unit)
         if key is None:
             buckets.append(Bucket(("single", len(buckets)), list(unit), size))
             continue
@@ -90,14 +89,6 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
         else:
             open_by_key.pop(key, None)
     return buckets
-
-
-def _item_bytes(item: Item) -> int:
-    response = item.response
-    sig = response.signature
-    if sig.kind == Kind.ALLGATHER and response.rows:
-        return sum(response.rows) * sig.row_count * sig.np_dtype.itemsize
-    return sig.nbytes()
 
 
 def _is_average(sig: Signature) -> bool:
@@ -134,9 +125,11 @@ class Executor:
         self.timeline = timeline
         self.activity = f"{getattr(comm, 'activity', 'RING')}"
         self._fusion: dict[str, np.ndarray] = {}
-        #: Called for each item just before its handle completes (the engine's bookkeeping must be
-        #: done by then: a caller may resubmit the same name the moment its handle is done).
-        self.before_complete: Callable[[Item], None] = lambda item: None
+        self._allocate = getattr(comm, "allocate", None)
+        self._staged_min_bytes = int(getattr(comm, "staged_min_bytes", 0))
+        #: Called with a bucket's items just before their handles complete (the engine's bookkeeping
+        #: must be done by then: a caller may resubmit the same name the moment its handle is done).
+        self.before_complete: Callable[[list[Item]], None] = lambda items: None
         # (item, result or error, failed): handles of the running bucket, completed only once its
         # timeline events are written, so a stop_timeline() right after synchronize() loses none.
         self._finishing: list[tuple[Item, object, bool]] = []
@@ -154,7 +147,7 @@ class Executor:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
-        allocate = getattr(self.comm, "allocate", None)
+        allocate = self._allocate
         if allocate is not None:  # a transport buffer (shared memory) saves the transport a copy
             return allocate(count * np.dtype(dtype).itemsize).view(dtype)[:count]
         key = np.dtype(dtype).str
@@ -163,6 +156,11 @@ class Executor:
             buf = np.empty(max(count, 1), dtype=dtype)
             self._fusion[key] = buf
         return buf[:count]
+
+    def _stages(self, nbytes: int) -> bool:
+        """Whether a lone tensor of ``nbytes`` is better copied into the transport's own buffer
+        (shared memory: the transport then reduces in place instead of copying in and out itself)."""
+        return self._allocate is not None and nbytes >= self._staged_min_bytes
 
     def _activity(self, items: list[Item], name: str, start: bool) -> None:
         if self.timeline is None:
@@ -208,8 +206,8 @@ class Executor:
                     sig = item.response.signature
                     tl.end(item.response.name, kind.value, sig.dtype, sig.shape, error)
             finishing, self._finishing = self._finishing, []
+            self.before_complete([item for item, _, _ in finishing])
             for item, outcome, failed in finishing:
-                self.before_complete(item)
                 if item.request is not None:
                     if failed:
                         item.request.handle.set_error(outcome)  # type: ignore[arg-type]
@@ -229,7 +227,7 @@ class Executor:
         dtype = sig.np_dtype
         post = sig.postscale * (1.0 / self.comm.size if _is_average(sig) else 1.0)
         op = _transport_op(sig)
-        if len(items) == 1:
+        if len(items) == 1 and not self._stages(sig.nbytes()):
             item = items[0]
             out = self._output_of(item, dtype)
             if item.request is not None and item.request.buffer is not out:
@@ -242,26 +240,36 @@ class Executor:
             self._complete(item, out)
             return
         counts = [i.response.signature.count for i in items]
-        fused = self._fusion_buffer(dtype, sum(counts))
+        total = sum(counts)
+        fused = self._fusion_buffer(dtype, total)
         self._activity(items, "MEMCPY_IN_FUSION_BUFFER", True)
-        offset = 0
-        for item, count in zip(items, counts):
-            part = fused[offset : offset + count]
-            if item.request is None:
-                part[...] = 0
-            else:
-                part[...] = item.request.buffer.reshape(-1)
-            offset += count
+        inputs = [
+            (item.request.buffer if item.request.buffer.ndim == 1 else item.request.buffer.reshape(-1))
+            if item.request is not None else np.zeros(count, dtype=dtype)
+            for item, count in zip(items, counts)
+        ]
+        if len(inputs) == 1:
+            fused[...] = inputs[0]
+        else:
+            np.concatenate(inputs, out=fused)
         _scale(fused, sig.prescale)
         self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
         self._transport(items, lambda: self.comm.allreduce(fused, op))
         self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", True)
         _scale(fused, post)
+        # Small buckets: one new array for every result that has no place of its own yet.
+        shared = fused.copy() if fused.nbytes <= _SHARED_RESULT_BYTES else None
         offset = 0
         for item, count in zip(items, counts):
-            if item.request is not None:
-                out = self._output_of(item, dtype)
-                out.reshape(-1)[...] = fused[offset : offset + count]
+            request = item.request
+            if request is not None:
+                end = offset + count
+                if request.output is None and shared is not None:
+                    out = shared[offset:end].reshape(request.buffer.shape)
+                    request.output = out
+                else:
+                    out = self._output_of(item, dtype)
+                    out.reshape(-1)[...] = fused[offset:end]
                 self._complete(item, out)
             offset += count
         self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", False)

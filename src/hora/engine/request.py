@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -30,9 +31,14 @@ class Kind(str, enum.Enum):
     PROCESS_SET = "PROCESS_SET"  # add/remove a process set: negotiated so every rank acts at the same point
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Signature:
-    """The facts about a request that must match across ranks (shape per the collective's rules)."""
+    """The facts about a request that must match across ranks (shape per the collective's rules).
+
+    Build them with :func:`signature`, which returns one shared object per distinct value: a
+    training step submits the same signatures every step, and comparing them (the response cache
+    does, per tensor per step) is then an identity check.
+    """
 
     kind: Kind
     dtype: str
@@ -44,6 +50,21 @@ class Signature:
     group: str = ""  # members of a grouped collective share this and travel as one unit
     group_size: int = 0
     splits: tuple[int, ...] = ()  # alltoall: elements... rows this rank sends to each member
+
+    @cached_property
+    def _key(self) -> tuple:
+        return (self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
+                self.group, self.group_size, self.splits)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not Signature:
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     @cached_property
     def count(self) -> int:
@@ -63,6 +84,23 @@ class Signature:
         return self.count * self.np_dtype.itemsize
 
 
+_INTERNED: dict[tuple, Signature] = {}
+_INTERN_LIMIT = 1 << 16  # distinct signatures kept; past it the table starts over (no leak)
+
+
+def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: str = "sum", root: int = -1,
+              prescale: float = 1.0, postscale: float = 1.0, group: str = "", group_size: int = 0,
+              splits: tuple[int, ...] = ()) -> Signature:
+    """The shared :class:`Signature` with these fields (created on first use)."""
+    key = (kind, dtype, shape, op, root, prescale, postscale, group, group_size, splits)
+    sig = _INTERNED.get(key)
+    if sig is None:
+        if len(_INTERNED) >= _INTERN_LIMIT:
+            _INTERNED.clear()
+        sig = _INTERNED[key] = Signature(*key)
+    return sig
+
+
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
@@ -74,14 +112,27 @@ def dtype_name(dtype: np.dtype) -> str:
     return name
 
 
+#: When a thread last started blocking on a handle (``time.perf_counter``). The engine reads it to
+#: tell that a burst of submissions is over: a thread that waits submits nothing more for now.
+last_wait_started = 0.0
+
+
+def mark_waiting() -> None:
+    global last_wait_started
+    last_wait_started = time.perf_counter()
+
+
 class Handle:
     """The future of one request; the binding waits on it (``synchronize``) or polls it."""
 
-    __slots__ = ("name", "_finished", "_gate", "_result", "_error", "__weakref__")
+    __slots__ = ("name", "_finished", "_gate", "_result", "_error", "driver", "__weakref__")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._finished = False
+        #: Set by the engine on submission: a waiting thread lends itself to run the engine's
+        #: cycles (``driver.drive(handle)``) instead of sleeping while another thread does.
+        self.driver: Any = None
         # A held lock is the cheapest one-shot signal: released once on completion; each waiter
         # acquires and re-releases it. (threading.Event costs several times more to create.)
         self._gate = threading.Lock()
@@ -105,9 +156,22 @@ class Handle:
     def done(self) -> bool:
         return self._finished
 
+    def wait_done(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for completion, without the result; True once done."""
+        if self._finished:
+            return True
+        if self._gate.acquire(timeout=timeout):
+            self._gate.release()
+            return True
+        return False
+
     def wait(self, timeout: float | None = None) -> Any:
         """The result; raises the request's error (in the caller's thread, as DESIGN.md asks)."""
         if not self._finished:
+            if timeout is None and self.driver is not None:
+                self.driver.drive(self)  # stamps last_wait_started once it counts as a driver
+            else:
+                mark_waiting()
             if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"request {self.name!r} did not complete within {timeout} s")
             self._gate.release()
@@ -116,15 +180,20 @@ class Handle:
         return self._result
 
 
-@dataclass
 class Request:
     """One tensor's collective on this rank."""
 
-    name: str
-    signature: Signature
-    buffer: np.ndarray | None
-    handle: Handle
-    process_set_id: int = 0
-    output: np.ndarray | None = None  # allreduce/broadcast: where the result goes (may be buffer)
-    submitted_at: float = 0.0
-    extra: dict = field(default_factory=dict)
+    __slots__ = ("name", "signature", "buffer", "handle", "process_set_id", "output", "submitted_at")
+
+    def __init__(self, name: str, signature: Signature, buffer: np.ndarray | None, handle: Handle,
+                 process_set_id: int = 0, output: np.ndarray | None = None, submitted_at: float = 0.0) -> None:
+        self.name = name
+        self.signature = signature
+        self.buffer = buffer
+        self.handle = handle
+        self.process_set_id = process_set_id
+        self.output = output  # allreduce/broadcast: where the result goes (may be buffer)
+        self.submitted_at = submitted_at
+
+    def __repr__(self) -> str:
+        return f"Request({self.name!r}, {self.signature!r}, process_set_id={self.process_set_id})"
