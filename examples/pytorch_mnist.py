@@ -173,7 +173,7 @@ def main(argv=None) -> float:
     torch.manual_seed(args.seed)
     if args.cuda:
         # One GPU per worker on this host, picked by local rank.
-        torch.cuda.set_device(hvd.local_rank())
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())  # ranks may share a GPU
         torch.cuda.manual_seed(args.seed)
     device = torch.device("cuda" if args.cuda else "cpu")
 

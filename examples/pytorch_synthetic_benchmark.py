@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
 
     hvd.init()
     if args.cuda:
-        torch.cuda.set_device(hvd.local_rank())
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())  # ranks may share a GPU
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // hvd.local_size())
     torch.set_num_threads(threads)
     cudnn = getattr(torch.backends, "cudnn", None)

@@ -65,14 +65,15 @@ def test_pytorch_mnist_one_epoch_fp16_allreduce():
 
 
 def test_pytorch_synthetic_benchmark_tiny():
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     out = _hora_run_2("examples/pytorch_synthetic_benchmark.py", "--num-iters", "1", "--num-batches-per-iter", "1",
                       "--num-warmup-batches", "1", "--batch-size", "2", "--image-size", "32")
     lines = _rank0_lines(out)
-    assert "Model: resnet18" in lines and "Batch size: 2" in lines and "Number of CPUs: 2" in lines, out
-    assert any(re.fullmatch(r"Iter #0: [0-9.]+ img/sec per CPU", line) for line in lines), out
-    assert any(re.fullmatch(r"Img/sec per CPU: [0-9.]+ \+-[0-9.]+", line) for line in lines), out
-    assert any(re.fullmatch(r"Total img/sec on 2 CPU\(s\): [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+    unit = "GPU" if torch.cuda.is_available() else "CPU"  # the example trains on a GPU where there is one
+    assert "Model: resnet18" in lines and "Batch size: 2" in lines and f"Number of {unit}s: 2" in lines, out
+    assert any(re.fullmatch(rf"Iter #0: [0-9.]+ img/sec per {unit}", line) for line in lines), out
+    assert any(re.fullmatch(rf"Img/sec per {unit}: [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+    assert any(re.fullmatch(rf"Total img/sec on 2 {unit}\(s\): [0-9.]+ \+-[0-9.]+", line) for line in lines), out
 
 
 def test_use_adasum_is_refused_clearly():

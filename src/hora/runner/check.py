@@ -73,6 +73,8 @@ def report_lines() -> list[str]:
     lines.append("")
     lines.append("Available transports:")
     lines += ["  " + line for line in transport_lines()]
+    lines.append("  GPU tensors: copied through host memory (hora has no GPU transport yet: "
+                 "no NCCL, nccl_built() == 0)")
     lines.append("")
     lines.append("Available frameworks:")
     for module, distribution in _FRAMEWORKS:

@@ -21,7 +21,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [d for d in range(x.dim()) if d != 1]
         local_count = x.numel() // channels
         stats = torch.cat([
-            torch.tensor([float(local_count)], dtype=torch.float64),
+            torch.tensor([float(local_count)], dtype=torch.float64, device=x.device),
             x.sum(dims).double(),
             (x.double() * x.double()).sum(dims),
         ])
