@@ -123,6 +123,27 @@ def test_allreduce_variants_at_size_1(solo):
     np.testing.assert_array_equal(hora.allreduce(booleans, op=hora.Max, name="bool"), booleans)
 
 
+def test_fused_results_are_independent_arrays_and_in_place_requests_keep_theirs(solo):
+    """Results of one fused bucket may share one allocation: each must still behave as its own array."""
+    inputs = [np.full((2, 3), float(i), np.float32) for i in range(6)]
+    inplace = [np.full(4, 10.0 + i, np.float32) for i in range(2)]
+    handles = [hora.allreduce_async(t, op=hora.Sum, name=f"indep.{i}") for i, t in enumerate(inputs)]
+    handles += [hora.allreduce_async_(t, op=hora.Sum, name=f"indep.inplace.{i}") for i, t in enumerate(inplace)]
+    results = [hora.synchronize(h) for h in handles]
+    for i, out in enumerate(results[:6]):
+        assert out.shape == (2, 3) and out.dtype == np.float32 and not np.shares_memory(out, inputs[i])
+        np.testing.assert_array_equal(out, inputs[i])
+    assert results[6] is inplace[0] and results[7] is inplace[1]
+    results[0][...] = -1.0  # writing one result changes no other result and no input
+    for i, out in enumerate(results[1:6], start=1):
+        np.testing.assert_array_equal(out, np.full((2, 3), float(i)))
+    np.testing.assert_array_equal(inputs[0], np.zeros((2, 3)))
+    # The next step reuses the engine's buffers: earlier results stay as they were.
+    again = [hora.synchronize(hora.allreduce_async(t * 2, op=hora.Sum, name=f"indep.{i}")) for i, t in enumerate(inputs)]
+    np.testing.assert_array_equal(results[3], np.full((2, 3), 3.0))
+    np.testing.assert_array_equal(again[3], np.full((2, 3), 6.0))
+
+
 def test_allreduce_argument_errors(solo):
     x = np.ones(3, np.float32)
     with pytest.raises(ValueError, match="not both"):
