@@ -34,8 +34,18 @@ _BOOLEAN = {
 }
 
 
+_CHOSEN: dict[tuple, Callable[..., np.ndarray]] = {}
+
+
 def reduction_ufunc(op: ReduceOp, dtype: np.dtype) -> Callable[..., np.ndarray]:
     """The ufunc that implements ``op`` on ``dtype``; a TypeError for bitwise ops on floats."""
+    chosen = _CHOSEN.get((op, dtype))  # every collective asks: remember the answers
+    if chosen is None:
+        chosen = _CHOSEN[(op, dtype)] = _choose_ufunc(op, dtype)
+    return chosen
+
+
+def _choose_ufunc(op: ReduceOp, dtype: np.dtype) -> Callable[..., np.ndarray]:
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return _BOOLEAN[op]

@@ -49,6 +49,7 @@ class Segment:
             for i in (0, 1)
         ]
         self.data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
+        self._base = self.data.ctypes.data  # the mapping never moves: look its address up once
 
     @classmethod
     def create(cls, prefix: str, nbytes: int) -> "Segment":
@@ -68,12 +69,13 @@ class Segment:
 
     def owns(self, array: np.ndarray) -> bool:
         """Whether ``array`` lies inside this segment's data area."""
-        base = self.data.ctypes.data
+        base = self._base
         start = array.ctypes.data
         return base <= start and start + array.nbytes <= base + self.capacity
 
     def offset_of(self, array: np.ndarray) -> int:
-        return array.ctypes.data - self.data.ctypes.data
+        return array.ctypes.data - self._base
+
 
     def close(self) -> None:
         self.ctrl = None  # type: ignore[assignment]
