@@ -10,7 +10,6 @@ No job is started here: nothing needs init().
 
 from __future__ import annotations
 
-import ast
 import inspect
 
 import pytest
@@ -18,39 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hora.torch as hvd  # noqa: E402
+from signature_check import EVERY_BINDING, REDUCE_OPS, check, parse  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
-
-# ---- "Every binding" ----------------------------------------------------------------------------
-
-EVERY_BINDING = [
-    "init(comm=None, process_sets=None)",
-    "shutdown()",
-    "is_initialized()",
-    "size()",
-    "rank()",
-    "local_size()",
-    "local_rank()",
-    "cross_size()",
-    "cross_rank()",
-    "is_homogeneous()",
-    "mpi_built()",
-    "mpi_enabled()",
-    "gloo_built()",
-    "gloo_enabled()",
-    "nccl_built()",
-    "ccl_built()",
-    "ddl_built()",
-    "cuda_built()",
-    "rocm_built()",
-    "mpi_threads_supported()",
-    "start_timeline(file_path, mark_cycles=False)",
-    "stop_timeline()",
-    # API.md writes add_process_set(ranks_or_set) / remove_process_set(ps) as prose; Horovod 0.28's
-    # parameter is named process_set in both.
-    "add_process_set(process_set)",
-    "remove_process_set(process_set)",
-]
 
 # ---- hora.torch ---------------------------------------------------------------------------------
 
@@ -122,40 +91,15 @@ EXTRA_ALLOWED = {
     "SyncBatchNorm": {"process_set"},
 }
 
-REDUCE_OPS = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product": 5}  # Horovod's values
 
 
 def _parse(spec: str) -> tuple[str, list[tuple[str, object]]]:
     """``name(a, b=1)`` -> ("name", [("a", EMPTY), ("b", 1)]); defaults evaluated in hora.torch."""
-    fn = ast.parse(f"def {spec}: pass").body[0]
-    assert isinstance(fn, ast.FunctionDef)
-    args = fn.args
-    assert not args.kwonlyargs and not args.vararg and not args.kwarg and not args.posonlyargs
-    names = [a.arg for a in args.args]
-    defaults = [inspect.Parameter.empty] * (len(names) - len(args.defaults)) + [
-        eval(compile(ast.Expression(d), "<spec>", "eval"), vars(hvd)) for d in args.defaults
-    ]
-    return fn.name, list(zip(names, defaults))
-
-
-def _same_default(actual: object, expected: object) -> bool:
-    if expected is inspect.Parameter.empty or isinstance(expected, (type, type(hvd.global_process_set))):
-        return actual is expected
-    return type(actual) is type(expected) and actual == expected
+    return parse(spec, vars(hvd))
 
 
 def _check(name: str, actual: inspect.Signature, expected: list[tuple[str, object]]) -> None:
-    params = list(actual.parameters.values())
-    assert [p.name for p in params[: len(expected)]] == [n for n, _ in expected], f"{name}: {actual}"
-    for p, (pname, default) in zip(params, expected):
-        assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name}({pname}) is {p.kind}"
-        assert _same_default(p.default, default), f"{name}({pname}={p.default!r}), Horovod: {default!r}"
-    extras = params[len(expected):]
-    allowed = EXTRA_ALLOWED.get(name, set())
-    for p in extras:
-        assert p.name in allowed, f"{name}: unexpected extra parameter {p.name} in {actual}"
-        assert p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        assert p.default is not inspect.Parameter.empty, f"{name}: extra parameter {p.name} needs a default"
+    check(name, actual, expected, EXTRA_ALLOWED.get(name, set()))
 
 
 @pytest.mark.parametrize("spec", EVERY_BINDING + TORCH, ids=lambda s: s.split("(")[0])

@@ -3,7 +3,7 @@
 The first thing to ask when a job misbehaves is "what is installed, and what is configured?". This
 module answers both as plain lines of text: versions, which transports this install offers, which
 frameworks are importable, and every knob's effective value with where it came from. Framework
-versions are read from package metadata, so the check does not pay for importing torch.
+versions are read from package metadata, so the check does not pay for importing torch or TensorFlow.
 """
 
 from __future__ import annotations
@@ -19,18 +19,22 @@ from hora.errors import ConfigError
 
 # Registry names in hora.transport and how to present them.
 _TRANSPORT_LABELS = {"tcp": "tcp ring"}
-_FRAMEWORKS = (("torch", "torch"), ("tensorflow", "tensorflow"), ("jax", "jax"),
-               ("mpi4py", "mpi4py"), ("cupy", "cupy"))
+# module -> the distributions that may provide it (TensorFlow ships as tensorflow or tensorflow-cpu, ...)
+_FRAMEWORKS = (("torch", ("torch",)), ("tensorflow", ("tensorflow", "tensorflow-cpu", "tensorflow-gpu",
+                                                      "tensorflow-macos", "tf-nightly")),
+               ("keras", ("keras",)), ("jax", ("jax",)), ("mpi4py", ("mpi4py",)), ("cupy", ("cupy",)))
 
 
-def _package_version(module: str, distribution: str) -> str | None:
+def _package_version(module: str, distributions: str | tuple[str, ...]) -> str | None:
     """Installed version of a package, or None when it is not importable."""
     if importlib.util.find_spec(module) is None:
         return None
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "installed (version unknown)"
+    for distribution in (distributions,) if isinstance(distributions, str) else distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "installed (version unknown)"
 
 
 def transport_lines() -> list[str]:
@@ -61,6 +65,12 @@ def config_lines() -> list[str]:
     return lines
 
 
+def binding_lines() -> list[str]:
+    """Which hora bindings this install can offer (their framework is importable), without importing it."""
+    bindings = [("hora.torch", "torch"), ("hora.tensorflow", "tensorflow"), ("hora.keras", "keras")]
+    return ["hora (NumPy)"] + [name for name, module in bindings if importlib.util.find_spec(module) is not None]
+
+
 def report_lines() -> list[str]:
     """The whole report, ready to print."""
     lines = [
@@ -77,9 +87,10 @@ def report_lines() -> list[str]:
                  "no NCCL, nccl_built() == 0)")
     lines.append("")
     lines.append("Available frameworks:")
-    for module, distribution in _FRAMEWORKS:
-        version = _package_version(module, distribution)
+    for module, distributions in _FRAMEWORKS:
+        version = _package_version(module, distributions)
         lines.append(f"  {module}: {version if version else 'no'}")
+    lines.append(f"  bindings: {', '.join(binding_lines())}")
     lines.append("")
     lines.append("Configuration (HORA_* variables, or the HOROVOD_* aliases):")
     lines += ["  " + line for line in config_lines()]

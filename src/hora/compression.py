@@ -1,0 +1,84 @@
+"""Gradient compression for hora.tensorflow and hora.keras (Horovod's ``Compression`` namespace).
+
+One implementation serves TensorFlow tensors, the tensors of whichever Keras backend is active
+(TensorFlow, torch, ...) and NumPy arrays, so ``hvd.Compression.fp16`` means the same thing in
+``hora.tensorflow`` and in ``hora.keras`` on every backend, and importing it imports no framework:
+the cast is looked up from the tensor's own type when a tensor arrives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _dtype_name(tensor: Any) -> str:
+    """'float32', 'int64', ... for a NumPy array, a tf.Tensor or a backend tensor."""
+    dtype = tensor.dtype
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
+
+
+def _cast(tensor: Any, dtype: str) -> Any:
+    """``tensor`` as ``dtype``, with the framework that owns it (never importing another one)."""
+    if isinstance(tensor, (np.ndarray, np.generic)):
+        return np.asarray(tensor).astype(dtype)
+    if type(tensor).__module__.startswith("tensorflow"):
+        import tensorflow as tf
+
+        return tf.cast(tensor, dtype)
+    import keras  # any other tensor belongs to the active Keras backend
+
+    return keras.ops.cast(tensor, dtype)
+
+
+class Compressor:
+    """Turns a tensor into what travels (``compress``) and back (``decompress``)."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Sends wider floating-point tensors as float16, halving (or quartering) the bytes on the wire.
+
+    The context is the original dtype name; integer and float16 tensors travel unchanged.
+    """
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        dtype = _dtype_name(tensor)
+        if dtype in _FLOATS and dtype != "float16":
+            return _cast(tensor, "float16"), dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return _cast(tensor, ctx) if ctx is not None else tensor
+
+
+class Compression:
+    """The compressors a collective, DistributedGradientTape or DistributedOptimizer accepts."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor

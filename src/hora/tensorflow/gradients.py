@@ -1,0 +1,144 @@
+"""Averaging a list of TensorFlow gradients across ranks, and ``DistributedGradientTape``.
+
+:func:`allreduce_list` is what the tape, the optimizers on the TensorFlow backend and ``allreduce``
+of an ``IndexedSlices`` all do: compress the dense gradients, reduce every gradient of the list in
+one engine round (dense ones allreduced, in Horovod's groups if any; sparse ones gathered as values
+and indices, or densified with ``sparse_as_dense``), decompress. One ``tf.numpy_function`` per list
+keeps the ranks in step inside ``tf.function`` (see :mod:`hora.tensorflow.tensors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from hora import batched
+from hora.basics import Average, ProcessSet, global_process_set
+from hora.compression import Compression
+from hora.batched import GradientReduction
+from hora.tensorflow.tensors import leading_unknown, run_numpy, to_tensor
+
+
+def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction: GradientReduction,
+                   groups: int | list[list[int]] | None = None, compression=Compression.none,
+                   sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "") -> list[Any]:
+    """Reduce each gradient of ``grads`` across ranks; ``None`` stays ``None`` (and is not sent).
+
+    ``groups`` are positions (see :func:`hora.batched.group_indices`). IndexedSlices come
+    back as IndexedSlices holding every rank's rows (values scaled as the op says), unless
+    ``sparse_as_dense`` reduces them as dense tensors.
+    """
+    grads = list(grads)
+    if sparse_as_dense:
+        with tf.device(device_sparse):
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    dense_at = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    sparse_at = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    if not dense_at and not sparse_at:
+        return grads
+    with tf.device(device_dense):
+        packed = {i: compression.compress(to_tensor(grads[i], "gradient")) for i in dense_at}
+    inputs = [packed[i][0] for i in dense_at]
+    dtypes = [t.dtype for t in inputs]
+    shapes = [t.shape for t in inputs]
+    for i in sparse_at:
+        values, indices = to_tensor(grads[i].values, "gradient values"), grads[i].indices
+        inputs += [values, indices]
+        dtypes += [values.dtype, indices.dtype]
+        shapes += [leading_unknown(values.shape), [None]]
+    count = len(grads)
+
+    def body(*arrays):
+        dense = [None] * count
+        sparse: list[Any] = [None] * count
+        for k, i in enumerate(dense_at):
+            dense[i] = arrays[k]
+        for k, i in enumerate(sparse_at):
+            base = len(dense_at) + 2 * k
+            sparse[i] = (arrays[base], arrays[base + 1])
+        results = batched.start(dense, names, reduction, groups, sparse).wait()
+        out = [results[i] for i in dense_at]
+        for i in sparse_at:
+            out += list(results[i])
+        return out
+
+    outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients")
+    result = list(grads)
+    with tf.device(device_dense):
+        for k, i in enumerate(dense_at):
+            result[i] = compression.decompress(outputs[k], packed[i][1])
+    if sparse_at:
+        scale = reduction.sparse_scale()
+        with tf.device(device_sparse):
+            for k, i in enumerate(sparse_at):
+                values, indices = outputs[len(dense_at) + 2 * k: len(dense_at) + 2 * k + 2]
+                if scale != 1.0:
+                    values = values * tf.cast(scale, values.dtype)
+                result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)
+    return result
+
+
+class GradientAllreducer:
+    """Horovod's gradient-averaging options, bound once and applied to each list of gradients."""
+
+    def __init__(self, prefix: str, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
+                 sparse_as_dense: bool = False, op: int = Average, gradient_predivide_factor: float = 1.0,
+                 groups: Any = None, process_set: ProcessSet = global_process_set) -> None:
+        self.reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
+        self.prefix = prefix
+        self.device_dense, self.device_sparse = device_dense, device_sparse
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.groups = groups
+
+    def __call__(self, grads: Sequence[Any], sources: Sequence[Any] | None = None) -> list[Any]:
+        grads = list(grads)
+        names = batched.gradient_names(self.prefix, len(grads))
+        groups = batched.group_indices(self.groups, sources)
+        return allreduce_list(grads, names, self.reduction, groups, self.compression, self.sparse_as_dense,
+                              self.device_dense, self.device_sparse)
+
+
+class _DistributedGradientTape:
+    """Mixed into the wrapped tape's own class (see :func:`DistributedGradientTape`)."""
+
+    _hora_allreducer: GradientAllreducer
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """The tape's gradients, averaged (or summed, ...) across ranks."""
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_grads = tf.nest.flatten(grads)
+        flat_sources = tf.nest.flatten(sources)
+        reduced = self._hora_allreducer(flat_grads, flat_sources if len(flat_sources) == len(flat_grads) else None)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                            compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                            process_set: ProcessSet = global_process_set) -> tf.GradientTape:
+    """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged across all ranks.
+
+    The result is an instance of the tape's own class sharing its recording, so it is used exactly
+    as the tape was (``with`` blocks already closed, ``watch``, persistent tapes). ``None``
+    gradients stay ``None`` and are not sent: a variable must be connected to the loss on every
+    rank or on none. Works eagerly and inside ``tf.function`` (not under XLA).
+    """
+    if not isinstance(gradtape, tf.GradientTape):
+        raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
+    from hora import basics
+
+    basics.engine()  # fail early, with the init() message, when hora is not initialised
+    groups = batched.check_groups(num_groups, groups)
+    allreducer = GradientAllreducer("DistributedGradientTape", device_dense, device_sparse, compression,
+                                    sparse_as_dense, op, gradient_predivide_factor, groups, process_set)
+    base = gradtape.__class__
+    if isinstance(gradtape, _DistributedGradientTape):
+        base = base.__mro__[2]  # wrapping twice would average twice: rewrap the plain tape's class
+    cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(gradtape.__dict__)
+    wrapped._hora_allreducer = allreducer
+    return wrapped

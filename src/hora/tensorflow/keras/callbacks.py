@@ -1,0 +1,11 @@
+"""``hora.tensorflow.keras.callbacks``: Horovod's spelling of :mod:`hora.keras.callbacks` (the same classes)."""
+
+from __future__ import annotations
+
+from hora.keras.callbacks import (  # noqa: F401
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+    broadcast_model_state,
+)

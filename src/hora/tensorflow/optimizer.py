@@ -1,0 +1,76 @@
+"""hora.tensorflow.DistributedOptimizer: horovod.tensorflow's optimizer wrapper on TensorFlow 2.
+
+In TensorFlow 2.16+ ``tf.keras`` is Keras 3, so the optimizers a TensorFlow 2 script uses are
+Keras optimizers: they are wrapped exactly as :func:`hora.keras.DistributedOptimizer` wraps them.
+TensorFlow 1 style ``tf.compat.v1.train.Optimizer`` subclasses are wrapped too: their
+``compute_gradients`` (and so ``minimize``) returns gradients averaged across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from hora import basics, batched
+from hora.basics import Average, ProcessSet, global_process_set
+from hora.compression import Compression
+from hora.tensorflow.gradients import GradientAllreducer
+
+
+class _DistributedV1Optimizer:
+    """Mixed in before a ``tf.compat.v1.train.Optimizer`` subclass."""
+
+    _hora_allreducer: GradientAllreducer
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's (gradient, variable) pairs, gradients averaged across ranks."""
+        pairs = super().compute_gradients(*args, **kwargs)
+        variables = [v for _, v in pairs]
+        grads = self._hora_allreducer([g for g, _ in pairs], variables)
+        return list(zip(grads, variables))
+
+
+def _is_keras_optimizer(optimizer: Any) -> bool:
+    if not type(optimizer).__module__.startswith("keras"):
+        return False  # not imported just to find out: a TF1 optimizer script may never load Keras
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.Optimizer)
+
+
+def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False, device_dense: str = "",
+                         device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op: int = Average,
+                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set):
+    """Wrap an optimizer so that it applies gradients averaged across all ranks.
+
+    A Keras optimizer (``tf.keras.optimizers.*``) gets :func:`hora.keras.DistributedOptimizer`
+    with the same arguments; ``use_locking`` is TensorFlow 1's and has no effect.
+    """
+    if _is_keras_optimizer(optimizer):
+        from hora.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
+
+        return keras_distributed_optimizer(
+            optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+            sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+            process_set=process_set)
+    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (tf.keras.optimizers.*) or a "
+                        f"tf.compat.v1.train.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__name__}")
+    if batched.check_passes(backward_passes_per_step) != 1:
+        raise NotImplementedError("backward_passes_per_step > 1 needs a Keras optimizer; hora does not aggregate "
+                                  "gradients locally for tf.compat.v1.train optimizers")
+    basics.engine()  # fail early, with the init() message, when hora is not initialised
+    groups = batched.check_groups(num_groups, groups)
+    base = type(optimizer)
+    prefix = name if name is not None else f"Distributed{base.__name__}"
+    cls = type(base.__name__, (_DistributedV1Optimizer, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._hora_allreducer = GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense,
+                                                  op, gradient_predivide_factor, groups, process_set)
+    return wrapped

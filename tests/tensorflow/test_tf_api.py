@@ -1,0 +1,211 @@
+"""hora.tensorflow and hora.keras offer Horovod 0.28's public names with its exact signatures.
+
+The expected signatures are data, written from horovod-0.28.1's horovod/tensorflow/__init__.py,
+mpi_ops.py, functions.py, keras/__init__.py and keras/callbacks.py, and compared with
+``inspect.signature`` (parameter names, order, kinds, defaults; hora may add trailing parameters with
+defaults, listed in EXTRA_ALLOWED). Also: the lifecycle names are hora's own objects in every
+binding, ``hora.tensorflow.keras`` is ``hora.keras`` under Horovod's spelling, and importing one
+framework's binding never imports another framework (checked in fresh interpreters).
+No job is started here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+import hora  # noqa: E402
+import hora.keras as hk  # noqa: E402
+import hora.tensorflow as htf  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torch"))
+from signature_check import EVERY_BINDING, REDUCE_OPS, check, parse  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+TENSORFLOW = [
+    "allreduce(tensor, average=None, device_dense='', device_sparse='', compression=Compression.none, op=None,"
+    " prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,"
+    " ignore_name_scope=False)",
+    "grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', compression=Compression.none,"
+    " op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,"
+    " ignore_name_scope=False)",
+    "allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set)",
+    "grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set)",
+    "broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set)",
+    "broadcast_(variables, root_rank, name=None, process_set=global_process_set)",
+    "alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set)",
+    "reducescatter(tensor, device_dense='', compression=Compression.none, op=Average, name=None,"
+    " process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0)",
+    "grouped_reducescatter(tensors, device_dense='', compression=Compression.none, op=Average,"
+    " process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0)",
+    "barrier(process_set=global_process_set)",
+    "join()",
+    "size_op(process_set_id=0, name=None)",
+    "local_size_op(name=None)",
+    "rank_op(name=None)",
+    "local_rank_op(name=None)",
+    "process_set_included_op(process_set_id=0, name=None)",
+    "broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False)",
+    "broadcast_global_variables(root_rank)",
+    "broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set)",
+    "broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set)",
+    "allgather_object(obj, session=None, name=None, process_set=global_process_set)",
+    "DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,"
+    " sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,"
+    " process_set=global_process_set)",
+    "DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',"
+    " compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,"
+    " gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,"
+    " process_set=global_process_set)",
+]
+
+KERAS = [
+    "DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,"
+    " sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,"
+    " average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set)",
+    "broadcast_global_variables(root_rank)",
+    "allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,"
+    " compression=Compression.none)",
+    "allgather(value, name=None)",
+    "broadcast(value, root_rank, name=None)",
+    "reducescatter(value, name=None, op=Average)",
+    "load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none)",
+]
+
+CALLBACKS = [
+    "BroadcastGlobalVariablesCallback(root_rank, device='')",
+    "MetricAverageCallback(device='')",
+    "LearningRateScheduleCallback(initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,"
+    " momentum_correction=True, steps_per_epoch=None)",
+    "LearningRateWarmupCallback(initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None,"
+    " verbose=0)",
+]
+
+# hora's additions: trailing parameters with defaults only.
+EXTRA_ALLOWED = {
+    "tensorflow": {
+        # the fused unit's name (Horovod derives it from the TF op names)
+        "grouped_allreduce": {"name"},
+        "grouped_reducescatter": {"name"},
+    },
+    "keras": {name: {"process_set"} for name in ("allreduce", "allgather", "broadcast", "reducescatter")},
+}
+
+BINDINGS = {"tensorflow": (htf, EVERY_BINDING + TENSORFLOW), "keras": (hk, EVERY_BINDING + KERAS)}
+
+
+def _cases():
+    for binding, (_, specs) in BINDINGS.items():
+        for spec in specs:
+            yield pytest.param(binding, spec, id=f"{binding}.{spec.split('(')[0]}")
+
+
+@pytest.mark.parametrize("binding,spec", list(_cases()))
+def test_function_signature_matches_horovod(binding, spec):
+    module = BINDINGS[binding][0]
+    name, expected = parse(spec, vars(module))
+    assert hasattr(module, name), f"hora.{binding} lacks {name}"
+    check(name, inspect.signature(getattr(module, name)), expected, EXTRA_ALLOWED[binding].get(name, set()))
+
+
+@pytest.mark.parametrize("spec", CALLBACKS, ids=lambda s: s.split("(")[0])
+def test_callback_signatures_match_horovod(spec):
+    name, expected = parse(spec, vars(hk))
+    cls = getattr(hk.callbacks, name)
+    assert isinstance(cls, type) and issubclass(cls, hk.callbacks.keras.callbacks.Callback)
+    check(name, inspect.signature(cls), expected)
+
+
+@pytest.mark.parametrize("module", [htf, hk], ids=["tensorflow", "keras"])
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
+def test_compressor_signatures(module, compressor):
+    for spec in ("compress(tensor)", "decompress(tensor, ctx)"):
+        name, expected = parse(spec, {})
+        check(name, inspect.signature(getattr(getattr(module.Compression, compressor), name)), expected)
+
+
+@pytest.mark.parametrize("module", [htf, hk], ids=["tensorflow", "keras"])
+def test_shared_names_are_horas_own_objects(module):
+    for name in ("init", "shutdown", "rank", "size", "ProcessSet", "global_process_set", "add_process_set",
+                 "HorovodInternalError", "HostsUpdatedInterrupt", "start_timeline"):
+        assert getattr(module, name) is getattr(hora, name), name
+    for name, value in REDUCE_OPS.items():
+        assert getattr(module, name) == value, name
+    assert issubclass(module.HorovodInternalError, RuntimeError)
+    assert module.Compression is htf.Compression  # one namespace: the same compressors everywhere
+
+
+def test_horovod_spelling_tensorflow_keras_is_hora_keras():
+    import hora.tensorflow.keras as hvd
+    import hora.tensorflow.keras.callbacks as callbacks
+
+    for name in hk.__all__:
+        if name != "callbacks":  # a module of its own under Horovod's path, holding the same classes
+            assert getattr(hvd, name) is getattr(hk, name), name
+    assert hvd.callbacks is callbacks
+    for name in ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+                 "LearningRateWarmupCallback"):
+        assert getattr(callbacks, name) is getattr(hk.callbacks, name), name
+
+
+def test_wrappers_need_init_first():
+    if hora.is_initialized():
+        pytest.skip("another test in this process left hora initialised")
+    import keras
+    import tensorflow as tf
+
+    with pytest.raises(ValueError, match="init"):
+        htf.DistributedGradientTape(tf.GradientTape())
+    with pytest.raises(ValueError, match="init"):
+        hk.DistributedOptimizer(keras.optimizers.SGD())
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
+        hk.DistributedOptimizer(object())
+
+
+# ---- framework isolation: a fresh interpreter per check --------------------------------------------
+
+
+def _modules_after(statement: str, env: dict[str, str] | None = None) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(m for m in sys.modules if '.' not in m)))"
+    environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=environ)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return set(proc.stdout.split())
+
+
+def test_import_hora_tensorflow_never_imports_torch():
+    modules = _modules_after("import hora.tensorflow, hora.tensorflow.keras")
+    assert "tensorflow" in modules and "torch" not in modules
+
+
+def test_import_hora_torch_never_imports_tensorflow():
+    pytest.importorskip("torch")
+    modules = _modules_after("import hora.torch")
+    assert "torch" in modules and "tensorflow" not in modules and "keras" not in modules
+
+
+def test_hora_keras_on_the_torch_backend_never_imports_tensorflow():
+    pytest.importorskip("torch")
+    modules = _modules_after("import hora.keras, keras; assert keras.backend.backend() == 'torch'",
+                             env={"KERAS_BACKEND": "torch"})
+    assert "torch" in modules and "tensorflow" not in modules
+
+
+def test_hora_check_reports_tensorflow_and_keras_versions(capsys):
+    import keras
+    import tensorflow as tf
+
+    from hora.cli import main
+
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert f"  tensorflow: {tf.__version__}\n" in out  # found under tensorflow-cpu's metadata too
+    assert f"  keras: {keras.__version__}\n" in out
+    assert "hora.tensorflow" in out and "hora.keras" in out

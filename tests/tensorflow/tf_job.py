@@ -1,0 +1,49 @@
+"""Helpers for the hora.tensorflow / hora.keras tests: many named checks inside one multi-process job.
+
+Every worker pays several seconds to import TensorFlow, so each test module starts one job (in a
+module-scoped fixture) whose workers run a list of named sections and report each one's result or
+failure; tests then read a section's value per rank. The section machinery is the torch tests'
+(``tests/torch/torch_job.py``); this module only starts the workers without importing torch, with
+TensorFlow quiet and held to one compute thread per worker (the CI box has two cores).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import hora
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torch"))
+
+from torch_job import JOB_ENV, JobResults, run_sections  # noqa: E402  (no torch import: plain helpers)
+
+TF_ENV = {
+    **JOB_ENV,
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "2",
+    "OMP_NUM_THREADS": "1",
+    # On a GPU, cuDNN convolutions default to TF32, whose rounding alone moves weights by ~1e-2 in
+    # a few steps: the 1-worker-equals-2-workers checks compare in full float32.
+    "NVIDIA_TF32_OVERRIDE": "0",
+}
+
+Sections = list[tuple[str, Callable[[], Any]]]
+
+
+def run_job(func: Callable[[], Sections], np: int, env: dict[str, str] | None = None) -> JobResults:
+    """Run ``func`` (which returns its sections; hora is initialised) on ``np`` workers."""
+    return JobResults(hora.run(_job_main, args=(func,), np=np, env={**TF_ENV, **(env or {})}))
+
+
+def _job_main(func: Callable[[], Sections]) -> dict[str, Any]:
+    hora.init()  # the same init as hora.tensorflow.init / hora.keras.init
+    try:
+        return run_sections(func())
+    finally:
+        hora.shutdown()
+
+
+__all__ = ["JobResults", "run_job", "TF_ENV"]
