@@ -17,15 +17,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TIMEOUT_S = 120
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without hora identity/knob variables, one compute thread per worker."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})})
     return env
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(env), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc
@@ -49,16 +49,29 @@ def test_numpy_logistic_regression_one_epoch():
     assert "weights identical on all 2 workers: True" in lines, out
 
 
+def _test_set_accuracy(out: str, lines: list[str]) -> float:
+    tests = [re.search(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", line) for line in lines]
+    tests = [m for m in tests if m]
+    assert len(tests) == 1, out
+    return float(tests[0].group(2))
+
+
+def _check_benchmark_lines(out: str, model: str, unit: str) -> None:
+    """Horovod's synthetic-benchmark printout, on 2 workers with batch 2."""
+    lines = _rank0_lines(out)
+    assert f"Model: {model}" in lines and "Batch size: 2" in lines and f"Number of {unit}s: 2" in lines, out
+    assert any(re.fullmatch(rf"Iter #0: [0-9.]+ img/sec per {unit}", line) for line in lines), out
+    assert any(re.fullmatch(rf"Img/sec per {unit}: [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+    assert any(re.fullmatch(rf"Total img/sec on 2 {unit}\(s\): [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+
+
 def test_pytorch_mnist_one_epoch_fp16_allreduce():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     out = _hora_run_2("examples/pytorch_mnist.py", "--epochs", "1", "--fp16-allreduce", "--log-interval", "5")
     lines = _rank0_lines(out)
     assert any(line.startswith("Train Epoch: 1 [0/") and "Loss:" in line for line in lines), out
-    tests = [re.search(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", line) for line in lines]
-    tests = [m for m in tests if m]
-    assert len(tests) == 1, out
-    assert float(tests[0].group(2)) > 20.0, tests[0].group(0)  # 10 digits: chance is 10%
+    assert _test_set_accuracy(out, lines) > 20.0  # 10 digits: chance is 10%
     assert re.search(r"Final test accuracy: [0-9.]+% after 1 epoch\(s\)", out), out
     # Only rank 0 prints progress.
     assert not [line for line in out.splitlines() if line.startswith("[1]<stdout>:") and "Test set" in line]
@@ -68,12 +81,45 @@ def test_pytorch_synthetic_benchmark_tiny():
     torch = pytest.importorskip("torch")
     out = _hora_run_2("examples/pytorch_synthetic_benchmark.py", "--num-iters", "1", "--num-batches-per-iter", "1",
                       "--num-warmup-batches", "1", "--batch-size", "2", "--image-size", "32")
-    lines = _rank0_lines(out)
     unit = "GPU" if torch.cuda.is_available() else "CPU"  # the example trains on a GPU where there is one
-    assert "Model: resnet18" in lines and "Batch size: 2" in lines and f"Number of {unit}s: 2" in lines, out
-    assert any(re.fullmatch(rf"Iter #0: [0-9.]+ img/sec per {unit}", line) for line in lines), out
-    assert any(re.fullmatch(rf"Img/sec per {unit}: [0-9.]+ \+-[0-9.]+", line) for line in lines), out
-    assert any(re.fullmatch(rf"Total img/sec on 2 {unit}\(s\): [0-9.]+ \+-[0-9.]+", line) for line in lines), out
+    _check_benchmark_lines(out, "resnet18", unit)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_tensorflow2_keras_mnist_fit_with_callbacks(backend):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("keras")
+    pytest.importorskip(backend)
+    env = {"KERAS_BACKEND": backend}
+    out = _run(["-m", "hora", "run", "-np", "2", "python", "examples/tensorflow2_keras_mnist.py", "--epochs", "2",
+                "--warmup-epochs", "1", "--fp16-allreduce"], env).stdout
+    lines = _rank0_lines(out)
+    assert any(f"{backend} backend" in line for line in lines), out
+    assert any(re.match(r"Epoch 1: finished gradual learning rate warmup to 0\.002", line) for line in lines), out
+    assert _test_set_accuracy(out, lines) > 20.0  # 10 digits: chance is 10%
+    assert "weights identical on all 2 workers: True" in lines, out
+    assert any(re.match(r"Final test accuracy: [0-9.]+% after 2 epoch\(s\)", line) for line in lines), out
+    # Keras progress is printed on rank 0 only.
+    assert not [line for line in out.splitlines() if line.startswith("[1]<stdout>:") and "Epoch" in line], out
+
+
+def test_tensorflow2_mnist_gradient_tape():
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("sklearn")
+    out = _hora_run_2("examples/tensorflow2_mnist.py", "--steps", "120", "--log-interval", "20")
+    lines = _rank0_lines(out)
+    steps = [line for line in lines if re.fullmatch(r"Step #\d+\tLoss: [0-9.]+", line)]
+    assert [line.split("\t")[0] for line in steps] == ["Step #0", "Step #20", "Step #40"], out
+    final = re.search(r"Final test accuracy: ([0-9.]+)% after 60 step\(s\) per worker", out)
+    assert final and float(final.group(1)) > 20.0, out
+
+
+def test_tensorflow2_synthetic_benchmark_tiny():
+    tf = pytest.importorskip("tensorflow")
+    out = _hora_run_2("examples/tensorflow2_synthetic_benchmark.py", "--num-iters", "1", "--num-batches-per-iter",
+                      "1", "--num-warmup-batches", "1", "--batch-size", "2", "--image-size", "32")
+    unit = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"  # the example trains on a GPU where there is one
+    _check_benchmark_lines(out, "ResNet18", unit)
 
 
 def test_use_adasum_is_refused_clearly():
