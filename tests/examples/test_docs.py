@@ -1,16 +1,21 @@
-"""docs/torch-api.md documents every public name of hora.torch, with the signature the code has."""
+"""The API references document every public name, with the signature the code has.
+
+docs/torch-api.md covers hora.torch; docs/tensorflow-api.md covers hora.tensorflow, hora.keras and
+hora.keras.callbacks (names a binding lists in ``__all__``).
+"""
 
 from __future__ import annotations
 
 import inspect
 import os
 import re
+import sys
 import types
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOC = os.path.join(ROOT, "docs", "torch-api.md")
+DOCS = os.path.join(ROOT, "docs")
 
 
 def _public_names(module) -> list[str]:
@@ -22,8 +27,11 @@ def _public_names(module) -> list[str]:
 def _as_written(obj) -> str:
     """The signature as the doc spells it: no annotations, defaults as a user writes them."""
     from hora.basics import global_process_set
-    from hora.torch.compression import Compression
+    from hora.compression import Compression
 
+    nones = {Compression.none}
+    if "hora.torch" in sys.modules:
+        nones.add(sys.modules["hora.torch"].Compression.none)
     parts = []
     for param in inspect.signature(obj).parameters.values():
         if param.default is inspect.Parameter.empty:
@@ -32,10 +40,10 @@ def _as_written(obj) -> str:
         default = param.default
         if default is global_process_set:
             text = "global_process_set"
-        elif default is Compression.none:
+        elif default in nones:
             text = "Compression.none"
         elif param.name == "op" and isinstance(default, int):
-            import hora.torch as hvd
+            import hora as hvd
             text = next(n for n in ("Average", "Sum", "Adasum", "Min", "Max", "Product") if getattr(hvd, n) == default)
         else:
             text = repr(default)
@@ -43,32 +51,45 @@ def _as_written(obj) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _documented() -> dict[str, list[str]]:
+def _documented(text: str) -> dict[str, list[str]]:
     """name -> every ``name(...)`` signature written in backticks in the doc."""
-    with open(DOC, encoding="utf-8") as f:
-        text = f.read()
     found: dict[str, list[str]] = {}
     for name, args in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)(\([^`]*\))`", text):
         found.setdefault(name, []).append(args)
     return found
 
 
-def test_every_public_name_is_documented_with_its_signature():
-    hvd = pytest.importorskip("hora.torch")
-    with open(DOC, encoding="utf-8") as f:
+def _check_documented(doc: str, modules: list) -> None:
+    with open(os.path.join(DOCS, doc), encoding="utf-8") as f:
         text = f.read()
-    documented = _documented()
-    missing = [name for name in _public_names(hvd) if f"`{name}" not in text]
-    assert not missing, f"not in docs/torch-api.md: {missing}"
+    documented = _documented(text)
+    names = [(m, n) for m in modules for n in (sorted(m.__all__) if hasattr(m, "__all__") else _public_names(m))]
+    missing = [name for _, name in names if f"`{name}" not in text]
+    assert not missing, f"not in docs/{doc}: {missing}"
     wrong = {}
-    for name in _public_names(hvd):
-        obj = getattr(hvd, name)
-        if not callable(obj) or isinstance(obj, type) and issubclass(obj, BaseException) and name != "HostsUpdatedInterrupt":
+    for module, name in names:
+        obj = getattr(module, name)
+        if isinstance(obj, types.ModuleType) or not callable(obj) or (
+                isinstance(obj, type) and issubclass(obj, BaseException) and name != "HostsUpdatedInterrupt"):
             continue
         if name in ("Compression",):  # a namespace of compressors, documented by its members
             continue
         expected = _as_written(obj)
         if expected not in documented.get(name, []):
-            wrong[name] = (expected, documented.get(name))
-    assert not wrong, "signatures in docs/torch-api.md differ from the code: " + "; ".join(
+            wrong[f"{module.__name__}.{name}"] = (expected, documented.get(name))
+    assert not wrong, f"signatures in docs/{doc} differ from the code: " + "; ".join(
         f"{name}: code {exp}, doc {doc}" for name, (exp, doc) in wrong.items())
+
+
+def test_every_public_name_is_documented_with_its_signature():
+    hvd = pytest.importorskip("hora.torch")
+    _check_documented("torch-api.md", [hvd])
+
+
+def test_every_tensorflow_and_keras_name_is_documented_with_its_signature():
+    pytest.importorskip("tensorflow")
+    import hora.keras
+    import hora.keras.callbacks
+    import hora.tensorflow
+
+    _check_documented("tensorflow-api.md", [hora.tensorflow, hora.keras, hora.keras.callbacks])
