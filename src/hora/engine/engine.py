@@ -48,6 +48,11 @@ def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, 
     """
     if comm.size == 1:
         return flags, invalid, ready
+    if words <= 1:  # up to 64 cached tensors: three words, no byte juggling
+        vec = np.array((~flags & _WORD, ~invalid & _WORD, ready), dtype=np.uint64)
+        comm.allreduce(vec.view(np.int64), ReduceOp.BAND)  # transports move signed words
+        flags_word, invalid_word, ready_word = vec.tolist()
+        return ~flags_word & _WORD, ~invalid_word & _WORD, ready_word
     full = (1 << (64 * words)) - 1
     nbytes = 8 * words
     vec = np.frombuffer(
@@ -277,7 +282,8 @@ class Engine:
                     return
                 if self._drivers:
                     continue  # a driver arrived meanwhile: the branch above waits for it
-                self._wake.clear()
+                if self._wake.is_set():
+                    self._wake.clear()
                 self._iterate()
 
     def _wait(self, timeout: float) -> bool:
@@ -313,7 +319,8 @@ class Engine:
                 try:
                     if handle._finished or self._stopped:
                         return
-                    self._wake.clear()
+                    if self._wake.is_set():
+                        self._wake.clear()
                     self._iterate()
                 finally:
                     self._cycle_lock.release()
