@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 
+import numpy as np
 import pytest
 
 from hora.engine.cache import Lookup, ResponseCache
@@ -472,8 +473,6 @@ class _AndWithPeers:
         self.peers = peers
 
     def allreduce(self, buf, op) -> None:
-        import numpy as np
-
         assert op is ReduceOp.BAND and buf.dtype == np.int64
         for peer in self.peers:
             buf &= np.asarray(peer, dtype=np.uint64).view(np.int64)
@@ -493,17 +492,28 @@ def test_control_exchange_ors_flags_and_invalid_bits_and_ands_ready_bits_across_
     words = 3  # bits up to 191
     peer = _encode(words, flags=2, invalid=bits(70), ready=bits(0, 64, 130, 191))
     comm = _AndWithPeers([peer])
-    flags, invalid, ready = _exchange_control(comm, words, 1, bits(5, 190), bits(0, 64, 65, 191))
+    flags, invalid, ready = _exchange_control(
+        comm, words, 1, bits(5, 190), bits(0, 64, 65, 191), np.zeros(3, np.uint64))
     assert flags == 3
     assert invalid == bits(5, 70, 190)
     assert ready == bits(0, 64, 191)
+
+
+def test_control_exchange_in_one_word_reuses_the_sets_vector_cycle_after_cycle():
+    from hora.engine.engine import _exchange_control
+
+    control = np.zeros(3, np.uint64)
+    comm = _AndWithPeers([_encode(1, flags=2, invalid=1 << 63, ready=0b1011 | 1 << 63)])
+    assert _exchange_control(comm, 1, 1, 0b100, 0b0110 | 1 << 63, control) == (3, 0b100 | 1 << 63, 0b0010 | 1 << 63)
+    comm = _AndWithPeers([_encode(1, flags=0, invalid=0, ready=0b1)])
+    assert _exchange_control(comm, 1, 0, 0, 0b11, control) == (0, 0, 0b1)  # nothing left from the last cycle
 
 
 def test_control_exchange_of_a_one_member_set_is_its_own_vector():
     from hora.engine.engine import _exchange_control
 
     comm = _AndWithPeers([])
-    assert _exchange_control(comm, 1, 1, 4, 9) == (1, 4, 9)
+    assert _exchange_control(comm, 1, 1, 4, 9, np.zeros(3, np.uint64)) == (1, 4, 9)
 
 
 def test_fine_timer_slack_lowers_the_calling_threads_slack_once():

@@ -41,17 +41,22 @@ _IDLE_CYCLES_BEFORE_BACKOFF = 10
 _MAX_IDLE_WAIT_S = 0.01
 
 
-def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, ready: int) -> tuple[int, int, int]:
+def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, ready: int,
+                      small: np.ndarray) -> tuple[int, int, int]:
     """The cycle's one collective: a bitwise AND over every member of
     ``[~flags | ~invalid bits | ready bits]``, so flags and invalid bits come back OR-ed (anyone set
     them) and ready bits AND-ed (everyone set them). Bits are Python ints, ``words`` 64-bit words each.
+    ``small`` is the process set's own three-word uint64 vector, reused every cycle (cycles of one
+    set never overlap) when the bits fit one word each.
     """
     if comm.size == 1:
         return flags, invalid, ready
     if words <= 1:  # up to 64 cached tensors: three words, no byte juggling
-        vec = np.array((~flags & _WORD, ~invalid & _WORD, ready), dtype=np.uint64)
-        comm.allreduce(vec.view(np.int64), ReduceOp.BAND)  # transports move signed words
-        flags_word, invalid_word, ready_word = vec.tolist()
+        small[0] = ~flags & _WORD
+        small[1] = ~invalid & _WORD
+        small[2] = ready
+        comm.allreduce(small.view(np.int64), ReduceOp.BAND)  # transports move signed words
+        flags_word, invalid_word, ready_word = small.tolist()
         return ~flags_word & _WORD, ~invalid_word & _WORD, ready_word
     full = (1 << (64 * words)) - 1
     nbytes = 8 * words
@@ -98,6 +103,7 @@ class SetState:
     awaiting: dict[str, Request] = field(default_factory=dict)  # sent to the coordinator
     joined: tuple[int, ...] = ()
     last_round: float = 0.0
+    control: np.ndarray = field(default_factory=lambda: np.zeros(3, np.uint64))  # see _exchange_control
 
     @property
     def member(self) -> int:
@@ -459,7 +465,7 @@ class Engine:
         for bit in state.invalid:
             invalid_mask |= 1 << bit
         flags_any, invalid_mask, ready_mask = _exchange_control(
-            state.comm, state.cache.words, flags, invalid_mask, ready_mask)
+            state.comm, state.cache.words, flags, invalid_mask, ready_mask, state.control)
         if flags_any & _FLAG_SHUTDOWN:
             return True
         state.invalid.clear()

@@ -204,7 +204,7 @@ class ShmCommunicator(TcpCommunicator):
         if self.size == 1 or buf.size == 0:
             return
         flat = buf.reshape(-1)
-        with self._collective("allreduce"):
+        with self._collective("allreduce", flat.dtype):
             if flat.nbytes <= SMALL_BYTES:
                 self._allreduce_small(flat, op)
                 return
@@ -317,7 +317,7 @@ class ShmCommunicator(TcpCommunicator):
             return super().reducescatter(send, recv, counts, op)
         ufunc = reduction_ufunc(op, send.dtype)
         sflat, rflat = send.reshape(-1), recv.reshape(-1)
-        with self._collective("reducescatter"):
+        with self._collective("reducescatter", send.dtype):
             self._ensure(send.nbytes)
             staged = self._own.data[: sflat.nbytes].view(sflat.dtype)
             staged[...] = sflat
