@@ -117,6 +117,34 @@ def _job() -> list:
                 "state": [state], "weights_unchanged": torch.equal(weights_before, emb.weight),
                 "grads_unchanged": emb.weight.grad is grad_before}
 
+    def optimizer_state_partial(kind):
+        """Rank 0 has state for the first layer only (the second joined later by add_param_group):
+        creating the missing state must leave the existing state exactly as it was."""
+        def section():
+            torch.manual_seed(42)
+            first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+            make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)) if kind == "sgd" \
+                else (lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01))
+            opt = make(first.parameters())
+            if r == 0:
+                for s in range(3):
+                    opt.zero_grad()
+                    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(s))
+                    first(x).pow(2).mean().backward()
+                    opt.step()
+            opt.add_param_group({"params": list(second.parameters())})
+            if r == 0:  # keep the weights equal on both ranks: only optimizer state should differ
+                with torch.no_grad():
+                    torch.manual_seed(42)
+                    first.load_state_dict(torch.nn.Linear(3, 3).state_dict())
+            before = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                      for p in first.parameters()]
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            after = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                     for p in [*first.parameters(), *second.parameters()]]
+            return {"before": before, "after": after}
+        return section
+
     def objects():
         obj = {"rank": r, "payload": list(range(r * 3)), "tensor": torch.arange(r + 1)}
         return {
@@ -163,6 +191,8 @@ def _job() -> list:
         ("optimizer.sgd.wrapped", optimizer_state("sgd", wrap=True)),
         ("optimizer.adam.wrapped", optimizer_state("adam", wrap=True)),
         ("optimizer.sparse_adam", optimizer_state_sparse_adam),
+        ("optimizer.partial.sgd", optimizer_state_partial("sgd")),
+        ("optimizer.partial.adam", optimizer_state_partial("adam")),
         ("objects", objects),
         ("sbn.2d", sync_batch_norm((), 0.1)),
         ("sbn.3d", sync_batch_norm((4,), 0.1)),
@@ -230,6 +260,23 @@ def test_broadcast_optimizer_state_adam_step_count_2ranks(ranks2):
     state = ranks2.get("optimizer.adam", 1)["state"][0]
     assert float(state["step"]) == 3.0  # rank 0 took 3 steps
     assert ranks2.get("optimizer.sgd", 1)["hyper"][0]["momentum"] == 0.9
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_broadcast_optimizer_state_keeps_existing_state_when_some_is_missing_2ranks(ranks2, kind):
+    root, other = ranks2.get(f"optimizer.partial.{kind}", 0), ranks2.get(f"optimizer.partial.{kind}", 1)
+    assert root["before"][0] and not other["before"][0]
+    for before, after in zip(root["before"], root["after"]):  # rank 0's trained state, bit for bit
+        assert sorted(before) == sorted(after)
+        for key, value in before.items():
+            assert torch.equal(after[key], value) if torch.is_tensor(value) else after[key] == value, key
+    if kind == "adam":
+        assert float(root["after"][0]["step"]) == 3.0
+    assert len(other["after"]) == len(root["after"]) == 4
+    for mine, theirs in zip(other["after"], root["after"]):  # the new layer's state was created on both
+        assert mine and sorted(mine) == sorted(theirs)
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value) if torch.is_tensor(value) else mine[key] == value, key
 
 
 # ---- objects ------------------------------------------------------------------------------------

@@ -282,18 +282,80 @@ def _job() -> list:
             return {"weights": weights(emb), "reference": weights(ref), "grad_sparse": grad_sparse}
         return section
 
+    def zero_grad_error(opt):
+        try:
+            opt.zero_grad()
+        except AssertionError as exc:
+            return str(exc)
+        return None
+
     def zero_grad_guard():
         model = make_model()
         opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "zero_grad"))
         mse(model, *shard(0)).backward()
-        try:
-            opt.zero_grad()
-            error = None
-        except AssertionError as exc:
-            error = str(exc)
+        error = zero_grad_error(opt)
         opt.step()  # the reductions still complete
         opt.zero_grad()  # and after step() zero_grad is fine again
         return {"error": error, "grads_cleared": all(p.grad is None for p in model.parameters())}
+
+    def zero_grad_while_accumulating():
+        # backward_passes_per_step=2: after one pass the gradient waits locally for the second;
+        # zero_grad() now would throw it away, so it raises (as Horovod's does).
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "zg.acc"),
+                                       backward_passes_per_step=2)
+        mse(model, *shard(0)).backward()
+        error = zero_grad_error(opt)
+        mse(model, *shard(1)).backward()
+        opt.step()
+        opt.zero_grad()  # a whole accumulated step is done: fine again
+        return {"error": error, "grads_cleared": all(p.grad is None for p in model.parameters())}
+
+    def rewrap():
+        # Phase 1 with SGD, then the optimizer is dropped and Adam wraps the same model under the
+        # same names (a fine-tuning phase): the old hooks must go with the old optimizer.
+        import gc
+
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "rewrap"))
+        train(opt, model, steps=3)
+        del opt
+        gc.collect()
+        opt = hvd.DistributedOptimizer(adam(model.parameters()), named_parameters=named(model, "rewrap"))
+        out = {"weights": train(opt, model, steps=3)}
+        if r == 0:
+            ref = make_model()
+            for make, steps in ((sgd, range(3)), (adam, range(3))):
+                ref_opt = make(ref.parameters())
+                for s in steps:
+                    ref_opt.zero_grad()
+                    mse(ref, *data(s)).backward()
+                    ref_opt.step()
+            out["reference"] = weights(ref)
+        return out
+
+    def group_split():
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2))
+        params = list(model.parameters())  # 6 tensors
+        sizes = {}
+        for groups in (3, 4, 6, 9):
+            opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, f"split{groups}"),
+                                           groups=groups)
+            sizes[groups] = [len(g) for g in opt._groups]
+            assert [p for g in opt._groups for p in g] == params
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, "split.both"),
+                                           num_groups=2, groups=3)
+        return {"sizes": sizes, "both": [len(g) for g in opt._groups],
+                "warned": [str(w.message) for w in caught]}
+
+    def sparse_handle_callable():
+        t = torch.sparse_coo_tensor(torch.tensor([[r, 3]]), torch.tensor([1.0 + r, 10.0]), (5,))
+        handle = hvd.sparse_allreduce_async(t, "sparse.callable", hvd.Sum)
+        called = handle().to_dense()
+        again = hvd.synchronize(handle).to_dense()
+        return {"called": called, "again": again}
 
     def too_many_backward_passes():
         model = make_model()
@@ -420,6 +482,10 @@ def _job() -> list:
         ("sparse_as_dense.sparse_adam", sparse(True, "sparse_adam")),
         ("zero_grad_guard", zero_grad_guard),
         ("too_many_backward_passes", too_many_backward_passes),
+        ("zero_grad_while_accumulating", zero_grad_while_accumulating),
+        ("rewrap", rewrap),
+        ("group_split", group_split),
+        ("sparse_handle_callable", sparse_handle_callable),
         ("skip_synchronize", skip_synchronize_warnings),
         ("skip_synchronize.weights", skip_synchronize_weights),
         ("class_identity", class_identity),
@@ -559,6 +625,31 @@ def test_zero_grad_between_backward_and_step_raises_2ranks(ranks2):
         assert got["grads_cleared"]
 
 
+def test_zero_grad_while_accumulating_locally_raises_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("zero_grad_while_accumulating", r)
+        assert got["error"] is not None and "zero_grad" in got["error"]
+        assert got["grads_cleared"]
+
+
+def test_a_new_optimizer_over_the_same_model_replaces_the_old_one_2ranks(ranks2):
+    assert_ranks_agree_and_match_reference(ranks2, "rewrap")
+
+
+def test_int_groups_split_parameters_into_that_many_groups_2ranks(ranks2):
+    got = ranks2.get("group_split", 0)
+    assert got["sizes"] == {3: [2, 2, 2], 4: [2, 2, 1, 1], 6: [1] * 6, 9: [1] * 6}
+    assert got["both"] == [2, 2, 2]  # groups wins over the deprecated num_groups, with a warning
+    assert any("num_groups" in w for w in got["warned"])
+
+
+def test_sparse_allreduce_async_handle_is_callable_2ranks(ranks2):
+    want = torch.tensor([1.0, 2.0, 0.0, 20.0, 0.0])
+    for r in range(2):
+        got = ranks2.get("sparse_handle_callable", r)
+        assert torch.equal(got["called"], want) and torch.equal(got["again"], want)
+
+
 def test_more_backward_passes_than_configured_raise_2ranks(ranks2):
     for r in range(2):
         error = ranks2.get("too_many_backward_passes", r)
@@ -632,3 +723,44 @@ def test_two_grouped_optimizers_sharing_names_2ranks():
     for wa, wb in zip(a["weights"], b["weights"]):
         for x, y in zip(wa, wb):
             assert torch.equal(x, y)
+
+
+def _job_process_set_excludes_a_rank() -> list:
+    import hora.torch as hvd
+
+    r = hvd.rank()
+
+    def optimizer_on_a_subset():
+        # Ranks 0 and 1 train together in a process set; rank 2 wraps the same optimizer but is not
+        # in the set: as in Horovod it takes no part (no hooks, synchronize has nothing to do).
+        pair = hvd.add_process_set([0, 1])
+        try:
+            model = make_model()
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=named(model, "ps.opt"), process_set=pair)
+            half = BATCH // 2
+            for s in range(3):
+                x, y = data(s)
+                rows = slice(r * half, (r + 1) * half) if r < 2 else slice(0, BATCH)
+                opt.zero_grad()
+                mse(model, x[rows], y[rows]).backward()
+                opt.step()
+            return weights(model)
+        finally:
+            hvd.barrier()
+            hvd.remove_process_set(pair)
+
+    return [("subset", optimizer_on_a_subset)]
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_on_a_process_set_leaves_other_ranks_alone_3ranks():
+    job = run_job(_job_process_set_excludes_a_rank, np=3)
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(3):
+        opt.zero_grad()
+        mse(ref, *data(s)).backward()
+        opt.step()
+    for r in range(3):  # ranks 0, 1: averaged halves; rank 2: the whole batch on its own, no allreduce
+        assert_close_lists(job.get("subset", r), weights(ref))

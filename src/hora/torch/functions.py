@@ -43,19 +43,27 @@ def _base_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create lazily built state (Adam's moments, ...) by a step on zero gradients, leaving weights as they were."""
+    """Create lazily built state (Adam's moments, ...) for the parameters that have none yet, by a
+    step on zero gradients for those parameters alone: the others get no gradient for that step,
+    so optimizers skip them and their state stays as it was; weights are restored afterwards."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if not params or all(p in optimizer.state and optimizer.state[p] for p in params):
+    lacking = {p for p in params if not optimizer.state.get(p)}
+    if not lacking:
         return
     saved = [(p, p.detach().clone(), p.grad) for p in params]
     sparse = isinstance(optimizer, torch.optim.SparseAdam)  # it takes sparse gradients only (as Horovod does)
     for p in params:
-        p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
-    _base_step(optimizer)
-    with torch.no_grad():
-        for p, data, grad in saved:
-            p.copy_(data)
-            p.grad = grad
+        if p in lacking:
+            p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
+        else:
+            p.grad = None
+    try:
+        _base_step(optimizer)
+    finally:
+        with torch.no_grad():
+            for p, data, grad in saved:
+                p.copy_(data)
+                p.grad = grad
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:

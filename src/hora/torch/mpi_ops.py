@@ -43,6 +43,16 @@ class TorchHandle:
         return self._value
 
 
+class SparseHandle(TorchHandle):
+    """What :func:`sparse_allreduce_async` returns. As in Horovod, calling it waits and returns the
+    reduced sparse tensor; :func:`poll` and :func:`synchronize` work on it too."""
+
+    __slots__ = ()
+
+    def __call__(self) -> torch.Tensor:
+        return self.wait()
+
+
 def poll(handle: TorchHandle) -> bool:
     """True once the collective behind ``handle`` has finished."""
     return handle.poll()
@@ -393,7 +403,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 # ---- sparse -------------------------------------------------------------------------------------
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
-                           process_set: ProcessSet = global_process_set) -> TorchHandle:
+                           process_set: ProcessSet = global_process_set) -> SparseHandle:
     """Reduce a sparse COO tensor by gathering every rank's indices and values (Sum or Average)."""
     op = collectives.resolve_op(op)
     if op not in (Average, Sum):
@@ -415,7 +425,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         out = torch.sparse_coo_tensor(all_indices.to(tensor.device), all_values, tensor.shape)
         return out.coalesce()
 
-    return TorchHandle(handles, finish)
+    return SparseHandle(handles, finish)
 
 
 # ---- control ------------------------------------------------------------------------------------

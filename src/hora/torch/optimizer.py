@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -44,6 +45,8 @@ class _DistributedOptimizer:
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
+        # A rank outside the process set takes no part: no hooks, and synchronize() has nothing to do.
+        self._excluded = not process_set.included()
         self._should_synchronize = True
         self._synchronized = False
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -55,7 +58,11 @@ class _DistributedOptimizer:
         self._ready_in_group: dict[int, set] = {}
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._requires_update]
+        self._hooks = [] if self._excluded else [
+            p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self._requires_update]
+        # The hooks live on the parameters, which outlive this optimizer when a script wraps a new
+        # one over the same model: they hold it weakly and go away with it.
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # ---- setup helpers -------------------------------------------------------------------------
 
@@ -84,9 +91,15 @@ class _DistributedOptimizer:
         if isinstance(groups, int):
             if groups < 0:
                 raise ValueError(f"groups must be a non-negative int or a list of parameter lists, got {groups}")
+            # Exactly ``groups`` groups (fewer only with fewer parameters), the first ones one
+            # parameter longer when the count does not divide evenly, as Horovod splits them.
             params = self._requires_update
-            size = -(-len(params) // groups) if params else 1
-            return [params[i : i + size] for i in range(0, len(params), size)]
+            count = min(groups, len(params))
+            if count == 0:
+                return []
+            size, extra = divmod(len(params), count)
+            bounds = [i * size + min(i, extra) for i in range(count + 1)]
+            return [params[bounds[i] : bounds[i + 1]] for i in range(count)]
         result = []
         seen = set()
         for group in groups:
@@ -185,6 +198,9 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Finish every reduction of this step, starting those whose hooks did not fire."""
+        if self._excluded:
+            self._synchronized = True
+            return
         for p in self._requires_update:
             key = self._group_of.get(p, p)
             if key in self._pending:
@@ -221,7 +237,9 @@ class _DistributedOptimizer:
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._pending:
+        # Pending reductions, or gradients of a step part-way through local accumulation (the
+        # reductions start on the last of backward_passes_per_step passes): both would be lost.
+        if self._pending or any(d != self.backward_passes_per_step for d in self._delay.values()):
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
@@ -233,6 +251,21 @@ class _DistributedOptimizer:
         self.backward_passes_per_step = int(passes)
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+
+
+def _weak_hook(optimizer: _DistributedOptimizer):
+    ref = weakref.ref(optimizer)
+
+    def on_grad_ready(p: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad_ready(p)
+    return on_grad_ready
+
+
+def _remove_hooks(hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
@@ -251,7 +284,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
     if num_groups and groups is not None:
-        raise ValueError("give groups or the deprecated num_groups, not both")
+        warnings.warn("DistributedOptimizer: num_groups is deprecated and ignored when groups is also "
+                      "given; using groups", stacklevel=2)
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = optimizer.__class__
     cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
