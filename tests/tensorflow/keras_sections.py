@@ -12,6 +12,8 @@ batch and average their gradients compute the whole batch's gradient, and must r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from typing import Any
@@ -141,6 +143,13 @@ def keras_sections() -> list:
         after = Recorder()
         m.fit(shard(x, r, n, BATCH), shard(y, r, n, BATCH), batch_size=BATCH // n, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), after])
+        # local_variables: each rank keeps its own values of those (here the first kernel)
+        kept = model(seed=200 + r)
+        kept.compile(optimizer=hvd.DistributedOptimizer(sgd()), loss=loss())
+        own = weights(kept)
+        local = hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=kept.weights[0])
+        local.set_model(kept)
+        local.on_train_begin()
         # after the broadcast, training from rank 0's start matches 1 worker from rank 0's start
         ref = []
         if r == 0:
@@ -153,7 +162,7 @@ def keras_sections() -> list:
             ref_model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             ref = weights(ref_model)
         return {"initial": initial, "at_train_begin": after.train_begin_weights, "weights": weights(m),
-                "reference": ref}
+                "reference": ref, "local_own": own, "local_after": weights(kept)}
 
     def metric_average():
         m = model()
@@ -169,7 +178,7 @@ def keras_sections() -> list:
         steps = STEPS  # batches per epoch: STEPS * 8 rows per rank, 8 at a time
         data = (shard(x, r, n, BATCH), shard(y, r, n, BATCH))
         cases = {
-            "warmup": lambda: hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.2, warmup_epochs=2, verbose=0),
+            "warmup": lambda: hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.2, warmup_epochs=2, verbose=1),
             "schedule": lambda: hvd.callbacks.LearningRateScheduleCallback(
                 initial_lr=0.1, multiplier=lambda epoch: 0.5 ** epoch, start_epoch=1, end_epoch=3),
             "smooth": lambda: hvd.callbacks.LearningRateScheduleCallback(
@@ -181,9 +190,12 @@ def keras_sections() -> list:
             m = model()
             m.compile(optimizer=hvd.DistributedOptimizer(sgd(0.05)), loss=loss())
             seen = Recorder()  # after the schedule: sees the rate each batch trains with
-            history = m.fit(*data, batch_size=BATCH // n, epochs=4, shuffle=False, verbose=0,
-                            callbacks=[make(), seen])
-            out[label] = {"batch_lr": seen.batch_lr, "epoch_lr": [float(v) for v in history.history["lr"]]}
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                history = m.fit(*data, batch_size=BATCH // n, epochs=4, shuffle=False, verbose=0,
+                                callbacks=[make(), seen])
+            out[label] = {"batch_lr": seen.batch_lr, "epoch_lr": [float(v) for v in history.history["lr"]],
+                          "printed": printed.getvalue()}
         return out
 
     def momentum_correction():
@@ -230,6 +242,24 @@ def keras_sections() -> list:
                 "plain_distributed": hasattr(plain.optimizer, "_hora"), "saved_iterations": saved_iterations,
                 "same_momentum": bool(same_momentum), "weights": weights(loaded)}
 
+    def mixed_precision():
+        # Under mixed_float16 the loss-scale check must see the averaged gradients: rank 1's second
+        # batch overflows float16 (rank 0's never does), and both ranks skip that step together.
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")])
+            m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse",
+                      jit_compile=False)
+            x = np.full((4, 2), 0.1, np.float32)  # scaled gradients stay inside float16 ...
+            if r == 1:
+                x[1] = 300.0  # ... except these
+            m.fit(x, np.zeros((4, 1), np.float32), batch_size=1, epochs=1, verbose=0, shuffle=False)
+            return {"class": type(m.optimizer).__name__, "distributed": hasattr(m.optimizer, "_hora"),
+                    "iterations": int(np.asarray(keras.ops.convert_to_numpy(m.optimizer.iterations))),
+                    "weights": weights(m)}
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
     return [
         ("keras.sgd", equivalence(sgd)),
         ("keras.adam", equivalence(lambda: keras.optimizers.Adam(0.01))),
@@ -246,7 +276,8 @@ def keras_sections() -> list:
         ("callback.metric_average", metric_average),
         ("callback.learning_rate", learning_rate_callbacks),
         ("callback.momentum_correction", momentum_correction),
-        ("load_model", save_and_load_model),
+        ("mixed_precision", mixed_precision),
+        ("load_model", save_and_load_model),  # last: saving imports TensorFlow on any backend
     ]
 
 
@@ -279,6 +310,12 @@ def check_broadcast_callback(job) -> None:
         np.testing.assert_array_equal(a, b)  # weights and optimizer state identical before step 1
     assert_close_lists(states[1][: len(root_initial)], root_initial, rtol=0, atol=0)
     check_equivalence(job, "callback.broadcast")
+    root_own = job.get("callback.broadcast", 0)["local_own"]
+    for r in range(2):
+        got = job.get("callback.broadcast", r)
+        assert not np.array_equal(got["local_own"][0], job.get("callback.broadcast", 1 - r)["local_own"][0])
+        np.testing.assert_array_equal(got["local_after"][0], got["local_own"][0])  # kept its own
+        assert_close_lists(got["local_after"][1:], root_own[1:], rtol=0, atol=0)  # the rest: the root's
 
 
 def check_metric_average(job) -> None:
@@ -311,9 +348,12 @@ def check_learning_rate_callbacks(job, steps: int = STEPS) -> None:
         np.testing.assert_allclose(got["schedule"]["batch_lr"], [stair[e] for e, _ in batches], rtol=1e-6)
         smooth = [0.1 / (1.0 + e + b / steps) for e, b in batches]
         np.testing.assert_allclose(got["smooth"]["batch_lr"], smooth, rtol=1e-6)
-        # a constant multiplier forces staircase (as in Horovod): 0.1 * 0.3 from epoch 2 on
-        np.testing.assert_allclose(got["constant"]["batch_lr"], [0.05 if e < 2 else 0.03 for e, _ in batches],
-                                   rtol=1e-6)
+        # a constant multiplier is exponential decay from start_epoch (as in Horovod), here per batch
+        decay = [0.05 if e < 2 else 0.1 * 0.3 ** (e + b / steps - 2) for e, b in batches]
+        np.testing.assert_allclose(got["constant"]["batch_lr"], decay, rtol=1e-6)
+        # verbose warm-up says when it ends, once: on rank 0
+        said = got["warmup"]["printed"]
+        assert ("finished gradual learning rate warmup" in said) == (r == 0), said
 
 
 def pytest_approx(value: float):
@@ -342,3 +382,11 @@ def check_load_model(job) -> None:
         assert got["saved_iterations"] == 1 and got["same_momentum"]
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
         np.testing.assert_array_equal(a, b)
+
+
+def check_mixed_precision(job) -> None:
+    got = [job.get("mixed_precision", r) for r in range(2)]
+    for g in got:
+        assert g["class"] == "LossScaleOptimizer" and g["distributed"]
+        assert g["iterations"] == 3  # 4 batches, the overflowing one skipped on both ranks
+    assert_close_lists(got[0]["weights"], got[1]["weights"], rtol=0, atol=0)

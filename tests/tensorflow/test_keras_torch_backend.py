@@ -71,3 +71,7 @@ def test_callbacks_torch_backend_2ranks(ranks2):
 
 def test_load_model_torch_backend_2ranks(ranks2):
     ks.check_load_model(ranks2)
+
+
+def test_mixed_precision_torch_backend_2ranks(ranks2):
+    ks.check_mixed_precision(ranks2)

@@ -85,6 +85,20 @@ def _tf_sections() -> list:
                 "rewrapped_once": type(twice).__mro__[2] is tf.GradientTape,
                 "twice": twice.gradient(loss, [v])[0].numpy()}
 
+    def tape_local_sources():
+        # Gradients of v are r+1 times [2, 4] on rank r: shared ones are averaged, local ones stay
+        # this rank's own (divided by size with scale_local_gradients, as in Horovod).
+        v, mine = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+        out = {}
+        for scale in (True, False):
+            with tf.GradientTape() as tape:
+                loss = (tf.reduce_sum(v * v) + tf.reduce_sum(mine * mine)) * (r + 1)
+            dtape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale)
+            dtape.register_local_source(mine)
+            gv, gmine = dtape.gradient(loss, [v, mine])
+            out[scale] = {"v": gv.numpy(), "mine": gmine.numpy()}
+        return out
+
     def sparse(sparse_as_dense: bool):
         # rank 0 looks up rows 0, 1, 2, 2 and rank 1 rows 2, 3, 4, 9: row 2 is shared
         def section():
@@ -167,6 +181,7 @@ def _tf_sections() -> list:
         ("tape.predivide", tape_section(True, gradient_predivide_factor=2.0)),
         ("tape.fp16", tape_section(True, compression=hvd.Compression.fp16)),
         ("tape.details", tape_details),
+        ("tape.local_sources", tape_local_sources),
         ("tape.sparse", sparse(False)),
         ("tape.sparse_as_dense", sparse(True)),
         ("tf_optimizer.keras", tf_optimizer_keras),
@@ -229,6 +244,10 @@ def test_load_model_rewraps_the_saved_optimizer_2ranks(ranks2):
     ks.check_load_model(ranks2)
 
 
+def test_mixed_precision_ranks_skip_overflowing_steps_together_2ranks(ranks2):
+    ks.check_mixed_precision(ranks2)
+
+
 # ---- custom loops with DistributedGradientTape ---------------------------------------------------------
 
 
@@ -249,6 +268,15 @@ def test_gradient_tape_details_2ranks(ranks2):
         np.testing.assert_allclose(got["twice"], [3.0, 6.0])  # wrapping twice does not average twice
         assert got["unused_is_none"] and got["is_tape"] and got["rewrapped_once"]
         assert got["class"] == "GradientTape"
+
+
+def test_gradient_tape_local_sources_keep_their_own_gradient_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("tape.local_sources", r)
+        for scale in (True, False):
+            np.testing.assert_allclose(got[scale]["v"], [3.0, 6.0])  # mean of [2, 4] and [4, 8]
+            own = 6.0 * (r + 1)
+            np.testing.assert_allclose(got[scale]["mine"], [own / 2 if scale else own])
 
 
 @pytest.mark.parametrize("section,kind", [("tape.sparse", "IndexedSlices"),

@@ -59,28 +59,30 @@ TENSORFLOW = [
     "allgather_object(obj, session=None, name=None, process_set=global_process_set)",
     "DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,"
     " sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,"
-    " process_set=global_process_set)",
+    " process_set=global_process_set, scale_local_gradients=True)",
     "DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',"
     " compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,"
     " gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,"
-    " process_set=global_process_set)",
+    " process_set=global_process_set, scale_local_gradients=True)",
 ]
 
 KERAS = [
     "DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,"
     " sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,"
-    " average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set)",
+    " average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,"
+    " scale_local_gradients=True)",
     "broadcast_global_variables(root_rank)",
     "allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,"
     " compression=Compression.none)",
     "allgather(value, name=None)",
     "broadcast(value, root_rank, name=None)",
     "reducescatter(value, name=None, op=Average)",
-    "load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none)",
+    "load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,"
+    " legacy_opts=False)",
 ]
 
 CALLBACKS = [
-    "BroadcastGlobalVariablesCallback(root_rank, device='')",
+    "BroadcastGlobalVariablesCallback(root_rank, device='', local_variables=None)",
     "MetricAverageCallback(device='')",
     "LearningRateScheduleCallback(initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,"
     " momentum_correction=True, steps_per_epoch=None)",
@@ -209,3 +211,10 @@ def test_hora_check_reports_tensorflow_and_keras_versions(capsys):
     assert f"  tensorflow: {tf.__version__}\n" in out  # found under tensorflow-cpu's metadata too
     assert f"  keras: {keras.__version__}\n" in out
     assert "hora.tensorflow" in out and "hora.keras" in out
+
+
+def test_load_model_refuses_keras2_legacy_optimizers_by_name():
+    from hora.keras import load_model
+
+    with pytest.raises(ValueError, match="legacy_opts=True .* Keras 3 removed"):
+        load_model("never-read.keras", legacy_opts=True)

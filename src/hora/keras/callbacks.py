@@ -8,7 +8,7 @@ and place nothing (hora reduces in host memory).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -23,11 +23,12 @@ def _value(x: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
-def broadcast_model_state(model: keras.Model, root_rank: int) -> None:
+def broadcast_model_state(model: keras.Model, root_rank: int, local_variables: Sequence[Any] = ()) -> None:
     """Give every rank ``root_rank``'s weights and optimizer state (building the optimizer first).
 
     ``model.weights`` are the trainable and non-trainable weights (batch-norm statistics included);
     random-seed state is left alone, so dropout masks still differ between ranks.
+    ``local_variables`` keep each rank's own values.
     """
     optimizer = getattr(model, "optimizer", None)
     variables = list(model.weights)
@@ -38,6 +39,9 @@ def broadcast_model_state(model: keras.Model, root_rank: int) -> None:
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
+    if local_variables:
+        local = {id(v) for v in local_variables}
+        variables = [v for v in variables if id(v) not in local]
     values = batched.broadcast_arrays([_value(v) for v in variables], root_rank,
                                       name=basics.next_name("broadcast_global_variables"))
     for variable, value in zip(variables, values):
@@ -53,14 +57,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     (a subclassed model built by its first call) is broadcast after the first batch instead.
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
+        """``local_variables``: a variable or a collection of them that each rank keeps as it is."""
         super().__init__()
         self.root_rank = root_rank
         self.device = device
+        if local_variables is None:
+            local_variables = []
+        elif hasattr(local_variables, "assign"):  # one variable
+            local_variables = [local_variables]
+        else:
+            local_variables = list(local_variables)
+            if not all(hasattr(v, "assign") for v in local_variables):
+                raise ValueError("local_variables must be a variable (of model.weights or the optimizer's) "
+                                 "or a collection of them")
+        self.local_variables = local_variables
         self.broadcast_done = False
 
     def _broadcast(self) -> None:
-        broadcast_model_state(self.model, self.root_rank)
+        broadcast_model_state(self.model, self.root_rank, self.local_variables)
         self.broadcast_done = True
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -99,7 +114,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until ``end_epoch``.
 
-    ``multiplier`` is a number or a function of the epoch. With ``staircase`` the rate changes at
+    ``multiplier`` is a function of the epoch, or a number m meaning exponential decay:
+    ``initial_lr * m ** (epoch - start_epoch)``. With ``staircase`` the rate changes at
     the first batch of each epoch; otherwise at every batch, ``epoch`` then being fractional
     (``epoch + batch / steps_per_epoch``; ``steps_per_epoch`` defaults to what ``fit`` reports).
     ``momentum_correction`` (Goyal et al., 2017) keeps a momentum optimizer's step consistent when
@@ -124,9 +140,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.current_epoch: int | None = None
         if callable(multiplier):
             self.multiplier = multiplier
-        else:
-            self.staircase = True  # a constant multiplier has nothing to interpolate
-            self.multiplier = lambda epoch: multiplier
+        else:  # a number is exponential decay from start_epoch, as in Horovod
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
 
     def _autodetect_steps_per_epoch(self) -> int:
         steps = (self.params or {}).get("steps")
@@ -177,7 +192,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     Large global batches train badly from the first step at the full scaled rate (Goyal et al.,
     2017); the rate grows linearly per batch and reaches ``initial_lr`` at the end of the last warm-up
-    epoch. ``verbose`` prints a line when the warm-up ends.
+    epoch. ``verbose`` prints a line on rank 0 when the warm-up ends.
     """
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
@@ -195,7 +210,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and basics.rank() == 0:
             # verbose asks for a line on stdout, as Keras' own callbacks print theirs
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self._learning_rate():g}.")
 

@@ -164,6 +164,13 @@ def wrap(optimizer: Any, in_place: bool, name: str | None = None, device_dense: 
     if optimizer.gradient_accumulation_steps:
         raise ValueError("the optimizer accumulates gradients itself (gradient_accumulation_steps); use "
                          "backward_passes_per_step of DistributedOptimizer instead, so the sums are reduced")
+    if (keras.mixed_precision.global_policy().name == "mixed_float16"
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+        # compile() would wrap this optimizer in a LossScaleOptimizer, whose overflow check then runs
+        # on each rank's own gradients before they are averaged: ranks would disagree on skipping a
+        # step and fall out of step. Wrapped here, inside, the check sees the averaged gradients,
+        # so every rank skips together (and compile leaves a LossScaleOptimizer alone).
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     cls = distributed_class(type(optimizer))
     prefix = name if name is not None else f"Distributed{cls.__name__}"
     reducer = make_reducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
@@ -185,7 +192,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          gradient_predivide_factor: float = 1.0, op: int = Average,
                          backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                          num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet = global_process_set) -> keras.optimizers.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Wrap a Keras optimizer so that its updates use gradients averaged across all ranks.
 
     The result is an instance of the wrapped optimizer's own class (``isinstance`` checks, saving
@@ -194,7 +202,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     own Keras name is kept, so its variables save and load under the same paths. ``groups`` (or the
     deprecated ``num_groups``) is an int or lists of variables, each group reduced as one unit. On
     the TensorFlow backend, compile the model with ``jit_compile=False`` (the default on CPU): XLA
-    cannot host hora's Python-side collectives.
+    cannot host hora's Python-side collectives. ``scale_local_gradients`` is accepted for Horovod
+    compatibility; it concerns worker-local variables (Horovod's ``register_local_var``), which this
+    optimizer does not have yet, so every gradient is reduced and the flag changes nothing.
     """
     groups = batched.check_groups(num_groups, groups)
     return wrap(optimizer, False, name, device_dense, device_sparse, compression, sparse_as_dense,
@@ -203,11 +213,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
 
 def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None, custom_objects: dict | None = None,
-               compression=Compression.none) -> keras.Model:
+               compression=Compression.none, legacy_opts: bool = False) -> keras.Model:
     """``keras.models.load_model``, with the saved optimizer (and its state) made distributed again.
 
     ``custom_optimizers`` are optimizer classes the file may name besides Keras' own.
+    ``legacy_opts`` is Horovod's switch for Keras 2's ``optimizers.legacy`` classes, which Keras 3
+    does not have: only False is accepted.
     """
+    if legacy_opts:
+        raise ValueError("legacy_opts=True asks for Keras 2's optimizers.legacy classes, which Keras 3 removed; "
+                         "load the model with legacy_opts=False")
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)

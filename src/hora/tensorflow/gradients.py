@@ -104,6 +104,13 @@ class _DistributedGradientTape:
     """Mixed into the wrapped tape's own class (see :func:`DistributedGradientTape`)."""
 
     _hora_allreducer: GradientAllreducer
+    _hora_local: set  # refs of sources whose gradients stay on this rank
+    _hora_local_scale: float | None  # what their gradients are multiplied by, if anything
+
+    def register_local_source(self, source) -> None:
+        """Keep ``source``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
+        the default, it is divided by the process set's size, as Horovod does)."""
+        self._hora_local.add(source.ref())
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -111,20 +118,40 @@ class _DistributedGradientTape:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_grads = tf.nest.flatten(grads)
         flat_sources = tf.nest.flatten(sources)
-        reduced = self._hora_allreducer(flat_grads, flat_sources if len(flat_sources) == len(flat_grads) else None)
+        aligned = len(flat_sources) == len(flat_grads)
+        local = [aligned and s.ref() in self._hora_local for s in flat_sources] if self._hora_local else []
+        if not any(local):
+            reduced = self._hora_allreducer(flat_grads, flat_sources if aligned else None)
+            return tf.nest.pack_sequence_as(grads, reduced)
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = list(flat_grads)
+        if shared:
+            for i, g in zip(shared, self._hora_allreducer([flat_grads[i] for i in shared],
+                                                          [flat_sources[i] for i in shared])):
+                reduced[i] = g
+        scale = self._hora_local_scale
+        if scale is not None:
+            for i, is_local in enumerate(local):
+                g = reduced[i]
+                if is_local and g is not None:
+                    reduced[i] = (tf.IndexedSlices(g.values * scale, g.indices, g.dense_shape)
+                                  if isinstance(g, tf.IndexedSlices) else g * scale)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                            process_set: ProcessSet = global_process_set) -> tf.GradientTape:
+                            process_set: ProcessSet = global_process_set,
+                            scale_local_gradients: bool = True) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged across all ranks.
 
     The result is an instance of the tape's own class sharing its recording, so it is used exactly
     as the tape was (``with`` blocks already closed, ``watch``, persistent tapes). ``None``
     gradients stay ``None`` and are not sent: a variable must be connected to the loss on every
-    rank or on none. Works eagerly and inside ``tf.function`` (not under XLA).
+    rank or on none. Works eagerly and inside ``tf.function`` (not under XLA). Sources given to
+    ``register_local_source`` keep their own gradient on each rank, divided by the process set's
+    size when ``scale_local_gradients`` (as in Horovod).
     """
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
@@ -141,4 +168,6 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(gradtape.__dict__)
     wrapped._hora_allreducer = allreducer
+    wrapped._hora_local = set(getattr(gradtape, "_hora_local", ()))
+    wrapped._hora_local_scale = 1.0 / process_set.size() if scale_local_gradients else None
     return wrapped

@@ -43,11 +43,15 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
                          device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set):
+                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True):
     """Wrap an optimizer so that it applies gradients averaged across all ranks.
 
     A Keras optimizer (``tf.keras.optimizers.*``) gets :func:`hora.keras.DistributedOptimizer`
     with the same arguments; ``use_locking`` is TensorFlow 1's and has no effect.
+    ``scale_local_gradients`` is accepted for Horovod compatibility: it concerns worker-local
+    variables (Horovod's ``register_local_var``), which hora's optimizers do not have yet, so every
+    gradient is reduced and the flag changes nothing (:func:`DistributedGradientTape` has local sources).
     """
     if _is_keras_optimizer(optimizer):
         from hora.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
@@ -57,7 +61,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
             sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
             backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
-            process_set=process_set)
+            process_set=process_set, scale_local_gradients=scale_local_gradients)
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (tf.keras.optimizers.*) or a "
                         f"tf.compat.v1.train.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__name__}")
