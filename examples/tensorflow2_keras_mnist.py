@@ -113,6 +113,9 @@ def main(argv=None) -> float:
     threads = limit_threads(args.num_threads)
     keras.utils.set_random_seed(args.seed + hvd.rank())  # different on purpose: the broadcast aligns them
     if args.use_mixed_precision:
+        # Before the model and the optimizer: DistributedOptimizer built under mixed_float16 holds
+        # its LossScaleOptimizer inside, so the overflow check sees the averaged gradients and every
+        # worker skips the same steps (compile then leaves it as it is).
         keras.mixed_precision.set_global_policy("mixed_float16")
 
     train_x, train_y, test_x, test_y = digits_arrays()

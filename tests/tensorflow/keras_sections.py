@@ -185,6 +185,8 @@ def keras_sections() -> list:
                 initial_lr=0.1, multiplier=lambda epoch: 1.0 / (1.0 + epoch), staircase=False, steps_per_epoch=steps),
             "constant": lambda: hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.3,
                                                                             start_epoch=2, staircase=False),
+            "constant_stair": lambda: hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5,
+                                                                                  start_epoch=1),
         }
         for label, make in cases.items():
             m = model()
@@ -351,6 +353,10 @@ def check_learning_rate_callbacks(job, steps: int = STEPS) -> None:
         # a constant multiplier is exponential decay from start_epoch (as in Horovod), here per batch
         decay = [0.05 if e < 2 else 0.1 * 0.3 ** (e + b / steps - 2) for e, b in batches]
         np.testing.assert_allclose(got["constant"]["batch_lr"], decay, rtol=1e-6)
+        # ... and with the default staircase, once per epoch: 0.1 * 0.5 ** (epoch - 1) from epoch 1 on
+        stairs = {0: 0.05, 1: 0.1, 2: 0.05, 3: 0.025}
+        np.testing.assert_allclose(got["constant_stair"]["batch_lr"], [stairs[e] for e, _ in batches], rtol=1e-6)
+        assert got["constant_stair"]["epoch_lr"] == pytest_approx([0.05, 0.1, 0.05, 0.025])
         # verbose warm-up says when it ends, once: on rank 0
         said = got["warmup"]["printed"]
         assert ("finished gradual learning rate warmup" in said) == (r == 0), said

@@ -99,6 +99,36 @@ def _tf_sections() -> list:
             out[scale] = {"v": gv.numpy(), "mine": gmine.numpy()}
         return out
 
+    def optimizer_local_vars():
+        # As tape.local_sources, through the optimizers' register_local_var, one step at rate 1:
+        # v's gradient is averaged ([3, 6]), mine's is this rank's own 6 (r + 1), halved when scaled.
+        def loss_of(v, mine):
+            return (tf.reduce_sum(v * v) + tf.reduce_sum(mine * mine)) * (r + 1)
+
+        out = {}
+        for scale in (True, False):
+            # a Keras optimizer (through hora.tensorflow's DistributedOptimizer), inside tf.function
+            v, mine = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), scale_local_gradients=scale)
+            opt.register_local_var(mine)
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = loss_of(v, mine)
+                opt.apply_gradients(zip(tape.gradient(loss, [v, mine]), [v, mine]))
+
+            step()
+            out[f"keras.{scale}"] = {"v": v.numpy(), "mine": mine.numpy()}
+            # a TensorFlow 1 style optimizer, eagerly
+            v, mine = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+            v1 = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                          scale_local_gradients=scale)
+            v1.register_local_var(mine)
+            v1.minimize(lambda: loss_of(v, mine), var_list=[v, mine])
+            out[f"v1.{scale}"] = {"v": v.numpy(), "mine": mine.numpy()}
+        return out
+
     def sparse(sparse_as_dense: bool):
         # rank 0 looks up rows 0, 1, 2, 2 and rank 1 rows 2, 3, 4, 9: row 2 is shared
         def section():
@@ -182,6 +212,7 @@ def _tf_sections() -> list:
         ("tape.fp16", tape_section(True, compression=hvd.Compression.fp16)),
         ("tape.details", tape_details),
         ("tape.local_sources", tape_local_sources),
+        ("optimizer.local_vars", optimizer_local_vars),
         ("tape.sparse", sparse(False)),
         ("tape.sparse_as_dense", sparse(True)),
         ("tf_optimizer.keras", tf_optimizer_keras),
@@ -277,6 +308,17 @@ def test_gradient_tape_local_sources_keep_their_own_gradient_2ranks(ranks2):
             np.testing.assert_allclose(got[scale]["v"], [3.0, 6.0])  # mean of [2, 4] and [4, 8]
             own = 6.0 * (r + 1)
             np.testing.assert_allclose(got[scale]["mine"], [own / 2 if scale else own])
+
+
+def test_optimizer_local_vars_keep_their_own_gradient_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("optimizer.local_vars", r)
+        for kind in ("keras", "v1"):
+            for scale in (True, False):
+                step = got[f"{kind}.{scale}"]
+                np.testing.assert_allclose(step["v"], [1.0 - 3.0, 2.0 - 6.0])  # the same on both ranks
+                own = 6.0 * (r + 1)
+                np.testing.assert_allclose(step["mine"], [3.0 - (own / 2 if scale else own)])
 
 
 @pytest.mark.parametrize("section,kind", [("tape.sparse", "IndexedSlices"),

@@ -112,8 +112,20 @@ def _job() -> list:
 
     def grouped():
         a, b = tf.constant([1.0, 2.0]) * (r + 1), tf.constant([[1, 2], [3, 4]], tf.int64) * (r + 1)
-        return eager_and_graph(lambda: {"average": hvd.grouped_allreduce([a, tf.cast(b, tf.float64)]),
-                                        "sum": hvd.grouped_allreduce([a, b], op=hvd.Sum)})
+        # rank r's sparse rows: row 3r holds r+1, row 1 holds 10(r+1)
+        s = tf.IndexedSlices(tf.constant([[1.0, 1.0], [10.0, 10.0]]) * (r + 1), tf.constant([3 * r, 1], tf.int64),
+                             dense_shape=tf.constant([4, 2], tf.int64))
+        out = eager_and_graph(lambda: {"average": hvd.grouped_allreduce([a, tf.cast(b, tf.float64)]),
+                                       "sum": hvd.grouped_allreduce([a, b], op=hvd.Sum),
+                                       "mixed": hvd.grouped_allreduce([a, s, tf.cast(b, tf.float64)]),
+                                       "mixed_sum": hvd.grouped_allreduce([s, a], op=hvd.Sum, name="mixed_sum"),
+                                       "sparse_only": hvd.grouped_allreduce([s, s], op=hvd.Sum)})
+        try:
+            hvd.grouped_allreduce([a, s], op=hvd.Max)
+            out["max_error"] = None
+        except ValueError as exc:
+            out["max_error"] = str(exc)
+        return out
 
     def static_shapes():
         shapes = {}
@@ -349,6 +361,21 @@ def test_grouped_allreduce_2ranks(ranks2):
         close(got["average"][1], np.array([[1.5, 3.0], [4.5, 6.0]]))
         close(got["sum"][0], np.array([3.0, 6.0]))
         close(got["sum"][1], np.array([[3, 6], [9, 12]], np.int64))
+        # a mixed list: dense entries reduced in place, IndexedSlices gathered (rank 0's rows, then rank 1's)
+        close(got["mixed"][0], np.array([1.5, 3.0]))
+        close(got["mixed"][2], np.array([[1.5, 3.0], [4.5, 6.0]]))
+        sparse_indices = np.array([0, 1, 3, 1], np.int64)
+        sparse_rows = np.array([[1.0, 1.0], [10.0, 10.0], [2.0, 2.0], [20.0, 20.0]], np.float32)
+        np.testing.assert_array_equal(got["mixed"][1]["indices"], sparse_indices)
+        close(got["mixed"][1]["values"], sparse_rows / 2)  # Average divides the gathered values by size
+        np.testing.assert_array_equal(got["mixed_sum"][0]["indices"], sparse_indices)
+        close(got["mixed_sum"][0]["values"], sparse_rows)
+        close(got["mixed_sum"][1], np.array([3.0, 6.0]))
+        for entry in got["sparse_only"]:
+            np.testing.assert_array_equal(entry["indices"], sparse_indices)
+            close(entry["values"], sparse_rows)
+    for r in range(2):
+        assert "Average and op=Sum only" in ranks2.get("grouped", r)["max_error"]
 
 
 def test_static_shapes_inside_tf_function_2ranks(ranks2):

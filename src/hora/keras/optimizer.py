@@ -96,18 +96,47 @@ class _LocalAggregation:
         keras.ops.cond(keras.ops.equal(self.counter, self.passes), reduce_and_apply, count_only)
 
 
+def _scaled(grad: Any, scale: float) -> Any:
+    if type(grad).__name__ == "IndexedSlices":  # TensorFlow's, without importing TensorFlow here
+        return type(grad)(grad.values * scale, grad.indices, grad.dense_shape)
+    return grad * scale
+
+
 class _HoraSettings:
     """What the wrapper adds to the optimizer; a plain object, so Keras does not track it."""
 
-    def __init__(self, reducer: Reducer, passes: int, average_aggregated: bool) -> None:
+    def __init__(self, reducer: Reducer, passes: int, average_aggregated: bool,
+                 local_scale: float | None) -> None:
         self.reducer = reducer
         self.aggregation = _LocalAggregation(passes, average_aggregated) if passes > 1 else None
+        self.local: dict[int, Any] = {}  # id -> variable registered with register_local_var (kept alive)
+        self.local_scale = local_scale  # what local gradients are multiplied by (None: left as they are)
+
+    def reduce(self, grads: list, variables: list) -> list:
+        """``grads`` reduced across ranks, except those of local variables: this rank's own (scaled)."""
+        if not self.local:
+            return self.reducer(grads, variables)
+        is_local = [id(v) in self.local for v in variables]
+        shared = [i for i, local in enumerate(is_local) if not local]
+        out = list(grads)
+        if shared:
+            for i, g in zip(shared, self.reducer([grads[i] for i in shared], [variables[i] for i in shared])):
+                out[i] = g
+        if self.local_scale is not None:
+            out = [_scaled(g, self.local_scale) if local and g is not None else g for g, local in zip(out, is_local)]
+        return out
 
 
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     _hora: _HoraSettings
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
+        the default, it is divided by the process set's size, as Horovod does). Register before the
+        first step: a step already traced into a ``tf.function`` keeps the split it was traced with."""
+        self._hora.local[id(var)] = var
 
     def build(self, variables):
         super().build(variables)
@@ -128,7 +157,7 @@ class _DistributedOptimizer:
                     self.build(variables)
 
         def update(values: list) -> None:
-            reduced = self._hora.reducer(values, variables)
+            reduced = self._hora.reduce(values, variables)
             super(_DistributedOptimizer, self).apply(reduced, None if trainable_variables is None else variables)
 
         if self._hora.aggregation is None:
@@ -154,7 +183,8 @@ def distributed_class(base: type) -> type:
 def wrap(optimizer: Any, in_place: bool, name: str | None = None, device_dense: str = "", device_sparse: str = "",
          compression=Compression.none, sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
          op: int = Average, backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-         groups: Any = None, process_set: ProcessSet = global_process_set) -> Any:
+         groups: Any = None, process_set: ProcessSet = global_process_set,
+         scale_local_gradients: bool = True) -> Any:
     """Make ``optimizer`` distributed: a new object sharing its state, or (``in_place``) itself."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"hora.keras.DistributedOptimizer wraps a keras.optimizers.Optimizer, "
@@ -181,7 +211,9 @@ def wrap(optimizer: Any, in_place: bool, name: str | None = None, device_dense: 
     else:
         wrapped = cls.__new__(cls)
         wrapped.__dict__.update(optimizer.__dict__)
-    object.__setattr__(wrapped, "_hora", _HoraSettings(reducer, passes, bool(average_aggregated_gradients)))
+    local_scale = 1.0 / process_set.size() if scale_local_gradients else None
+    object.__setattr__(wrapped, "_hora", _HoraSettings(reducer, passes, bool(average_aggregated_gradients),
+                                                       local_scale))
     if wrapped.built and passes > 1:
         wrapped._hora.aggregation.build(list(wrapped._trainable_variables))
     return wrapped
@@ -202,14 +234,14 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     own Keras name is kept, so its variables save and load under the same paths. ``groups`` (or the
     deprecated ``num_groups``) is an int or lists of variables, each group reduced as one unit. On
     the TensorFlow backend, compile the model with ``jit_compile=False`` (the default on CPU): XLA
-    cannot host hora's Python-side collectives. ``scale_local_gradients`` is accepted for Horovod
-    compatibility; it concerns worker-local variables (Horovod's ``register_local_var``), which this
-    optimizer does not have yet, so every gradient is reduced and the flag changes nothing.
+    cannot host hora's Python-side collectives. ``optimizer.register_local_var(variable)`` keeps that
+    variable's gradient on each rank, unreduced; with ``scale_local_gradients`` (the default) it is
+    divided by the process set's size, as in Horovod.
     """
     groups = batched.check_groups(num_groups, groups)
     return wrap(optimizer, False, name, device_dense, device_sparse, compression, sparse_as_dense,
                 gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
-                process_set)
+                process_set, scale_local_gradients)
 
 
 def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None, custom_objects: dict | None = None,

@@ -100,6 +100,30 @@ class GradientAllreducer:
                               self.device_dense, self.device_sparse)
 
 
+def reduce_keeping_local(allreducer: GradientAllreducer, grads: Sequence[Any], sources: Sequence[Any] | None,
+                         local: set, scale: float | None) -> list[Any]:
+    """``allreducer(grads, sources)``, except for sources whose ``ref()`` is in ``local``: their
+    gradients stay this rank's own, multiplied by ``scale`` unless it is None (Horovod's
+    ``register_local_source`` / ``register_local_var`` with ``scale_local_gradients``)."""
+    grads = list(grads)
+    aligned = sources is not None and len(sources) == len(grads)
+    is_local = [s.ref() in local for s in sources] if aligned and local else []
+    if not any(is_local):
+        return allreducer(grads, sources if aligned else None)
+    shared = [i for i, own in enumerate(is_local) if not own]
+    reduced = list(grads)
+    if shared:
+        for i, g in zip(shared, allreducer([grads[i] for i in shared], [sources[i] for i in shared])):
+            reduced[i] = g
+    if scale is not None:
+        for i, own in enumerate(is_local):
+            g = reduced[i]
+            if own and g is not None:
+                reduced[i] = (tf.IndexedSlices(g.values * scale, g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices) else g * scale)
+    return reduced
+
+
 class _DistributedGradientTape:
     """Mixed into the wrapped tape's own class (see :func:`DistributedGradientTape`)."""
 
@@ -116,26 +140,8 @@ class _DistributedGradientTape:
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         """The tape's gradients, averaged (or summed, ...) across ranks."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
-        flat_grads = tf.nest.flatten(grads)
-        flat_sources = tf.nest.flatten(sources)
-        aligned = len(flat_sources) == len(flat_grads)
-        local = [aligned and s.ref() in self._hora_local for s in flat_sources] if self._hora_local else []
-        if not any(local):
-            reduced = self._hora_allreducer(flat_grads, flat_sources if aligned else None)
-            return tf.nest.pack_sequence_as(grads, reduced)
-        shared = [i for i, is_local in enumerate(local) if not is_local]
-        reduced = list(flat_grads)
-        if shared:
-            for i, g in zip(shared, self._hora_allreducer([flat_grads[i] for i in shared],
-                                                          [flat_sources[i] for i in shared])):
-                reduced[i] = g
-        scale = self._hora_local_scale
-        if scale is not None:
-            for i, is_local in enumerate(local):
-                g = reduced[i]
-                if is_local and g is not None:
-                    reduced[i] = (tf.IndexedSlices(g.values * scale, g.indices, g.dense_shape)
-                                  if isinstance(g, tf.IndexedSlices) else g * scale)
+        reduced = reduce_keeping_local(self._hora_allreducer, tf.nest.flatten(grads), tf.nest.flatten(sources),
+                                       self._hora_local, self._hora_local_scale)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 

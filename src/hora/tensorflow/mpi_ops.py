@@ -82,15 +82,33 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set,
                       ignore_name_scope: bool = False, name: str | None = None) -> list:
-    """Reduce a list of tensors as one fused unit (negotiated and sent together)."""
+    """Reduce a list of tensors as one fused unit (negotiated and sent together).
+
+    The list may mix dense tensors and ``tf.IndexedSlices``, as in Horovod: the dense ones are
+    compressed and reduced together; each IndexedSlices comes back as an IndexedSlices holding every
+    rank's values and indices (values divided by the set size for Average; Sum and Average only).
+    """
     op = collectives.resolve_op(op, average)
     tensors = list(tensors)
-    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        raise ValueError("grouped_allreduce does not take IndexedSlices; convert them with tf.convert_to_tensor")
     if not tensors:
         return []
-    return _compressed(tensors, device_dense, compression, lambda xs: _allreduce_many(
-        xs, name, op, prescale_factor, postscale_factor, process_set, True))
+    sparse_at = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense_at = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    result: list = [None] * len(tensors)
+    if sparse_at:
+        reduction = GradientReduction(op, float(prescale_factor), float(postscale_factor), process_set)
+        reduction.sparse_scale()  # refuses other ops here, before any rank starts a collective
+    if dense_at:
+        reduced = _compressed([tensors[i] for i in dense_at], device_dense, compression, lambda xs: _allreduce_many(
+            xs, name, op, prescale_factor, postscale_factor, process_set, True))
+        for i, t in zip(dense_at, reduced):
+            result[i] = t
+    if sparse_at:
+        names = [None if name is None else f"{name}.sparse.{k}" for k in range(len(sparse_at))]
+        gathered = allreduce_list([tensors[i] for i in sparse_at], names, reduction, device_sparse=device_sparse)
+        for i, t in zip(sparse_at, gathered):
+            result[i] = t
+    return result
 
 
 # ---- allgather ----------------------------------------------------------------------------------

@@ -15,19 +15,27 @@ import tensorflow as tf
 from hora import basics, batched
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
-from hora.tensorflow.gradients import GradientAllreducer
+from hora.tensorflow.gradients import GradientAllreducer, reduce_keeping_local
 
 
 class _DistributedV1Optimizer:
     """Mixed in before a ``tf.compat.v1.train.Optimizer`` subclass."""
 
     _hora_allreducer: GradientAllreducer
+    _hora_local: set  # refs of variables whose gradients stay on this rank
+    _hora_local_scale: float | None  # what their gradients are multiplied by, if anything
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
+        the default, it is divided by the process set's size, as Horovod does)."""
+        self._hora_local.add(var.ref())
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's (gradient, variable) pairs, gradients averaged across ranks."""
         pairs = super().compute_gradients(*args, **kwargs)
         variables = [v for _, v in pairs]
-        grads = self._hora_allreducer([g for g, _ in pairs], variables)
+        grads = reduce_keeping_local(self._hora_allreducer, [g for g, _ in pairs], variables, self._hora_local,
+                                     self._hora_local_scale)
         return list(zip(grads, variables))
 
 
@@ -49,9 +57,9 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
 
     A Keras optimizer (``tf.keras.optimizers.*``) gets :func:`hora.keras.DistributedOptimizer`
     with the same arguments; ``use_locking`` is TensorFlow 1's and has no effect.
-    ``scale_local_gradients`` is accepted for Horovod compatibility: it concerns worker-local
-    variables (Horovod's ``register_local_var``), which hora's optimizers do not have yet, so every
-    gradient is reduced and the flag changes nothing (:func:`DistributedGradientTape` has local sources).
+    ``optimizer.register_local_var(variable)`` keeps that variable's gradient on each rank,
+    unreduced; with ``scale_local_gradients`` (the default) it is divided by the process set's size,
+    as in Horovod.
     """
     if _is_keras_optimizer(optimizer):
         from hora.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
@@ -77,4 +85,6 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hora_allreducer = GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense,
                                                   op, gradient_predivide_factor, groups, process_set)
+    wrapped._hora_local = set()
+    wrapped._hora_local_scale = 1.0 / process_set.size() if scale_local_gradients else None
     return wrapped
