@@ -246,3 +246,50 @@ def test_python_dash_m_hora_and_console_script_world_size_1(hora_run):
     assert result.returncode == 0
     assert result.stdout == "[0]<stdout>:hi\n"
     assert "rank 0 on localhost" in result.stderr  # --verbose logs the layout
+
+
+def test_failure_line_names_the_workers_python_exception_world_size_2(hora_run, tmp_path):
+    script = _script(tmp_path, """
+        import os, time
+        if os.environ["HORA_RANK"] == "1":
+            raise ValueError("bad input")
+        time.sleep(60)
+    """)
+    result = hora_run("run", "-np", "2", PY, script)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "hora run: rank 1 on localhost exited with status 1: ValueError: bad input; "
+        "stopped the other worker")
+
+
+def test_failure_line_names_the_last_of_chained_exceptions_world_size_1(hora_run, tmp_path):
+    script = _script(tmp_path, """
+        import json
+        class ConfigProblem(Exception):
+            pass
+        try:
+            json.loads("{")
+        except ValueError as exc:
+            raise ConfigProblem("config.json is not valid JSON") from exc
+    """)
+    result = hora_run("run", "-np", "1", PY, script)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "hora run: rank 0 on localhost exited with status 1: "
+        "ConfigProblem: config.json is not valid JSON")
+
+
+def test_handled_traceback_is_not_blamed_for_another_exit_status_world_size_1(hora_run, tmp_path):
+    script = _script(tmp_path, """
+        import sys, traceback
+        try:
+            int("seven")
+        except ValueError:
+            traceback.print_exc()  # logged and handled: the worker goes on
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("not an exception line, just text", file=sys.stderr)
+        sys.exit(4)
+    """)
+    result = hora_run("run", "-np", "1", PY, script)
+    assert result.returncode == 4
+    assert result.stderr.splitlines()[-1] == "hora run: rank 0 on localhost exited with status 4"

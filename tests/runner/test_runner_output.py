@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 
 import pytest
@@ -73,3 +74,42 @@ def test_status_wording_and_exit_codes():
     assert describe_returncode(-9) == "was killed by signal SIGKILL (9)"
     assert describe_returncode(-15) == "was killed by signal SIGTERM (15)"
     assert exit_status_for(3) == 3 and exit_status_for(-9) == 137 and exit_status_for(0) == 0
+
+
+def _last_exception(stderr_text: str) -> str | None:
+    router = OutputRouter(stdout=io.StringIO(), stderr=io.StringIO())
+    _feed(router, 0, b"", stderr_text.encode())
+    assert router.join(5)
+    return router.last_exception(0)
+
+
+def test_last_exception_is_read_from_the_ranks_stderr():
+    chained = (
+        'Traceback (most recent call last):\n  File "a.py", line 3, in <module>\n'
+        '    json.loads("{")\njson.decoder.JSONDecodeError: Expecting property name: line 1\n\n'
+        'The above exception was the direct cause of the following exception:\n\n'
+        'Traceback (most recent call last):\n  File "a.py", line 5, in <module>\n'
+        '    raise RuntimeError("config is broken")\nRuntimeError: config is broken\n'
+        "and a second line of the message\nlater log line: shutting down\n"
+    )
+    assert _last_exception(chained) == "RuntimeError: config is broken"
+    syntax = ('Traceback (most recent call last):\n  File "b.py", line 1\n    x = (\n        ^\n'
+              "SyntaxError: '(' was never closed\n")
+    assert _last_exception(syntax) == "SyntaxError: '(' was never closed"
+    group = ("  + Exception Group Traceback (most recent call last):\n"
+             '  |   File "c.py", line 1, in <module>\n'
+             "  | ExceptionGroup: two failed (2 sub-exceptions)\n"
+             "  +-+---------------- 1 ----------------\n    | ValueError: one\n")
+    assert _last_exception(group) == "ExceptionGroup: two failed (2 sub-exceptions)"
+    assert _last_exception("KeyboardInterrupt\nno traceback here\n") is None
+    assert _last_exception("Traceback (most recent call last):\n  frame\nnot an exception line\n") is None
+    long_message = "Traceback (most recent call last):\n  f\nValueError: " + "x" * 1000 + "\n"
+    assert len(_last_exception(long_message)) == 300
+
+
+def test_lines_can_carry_the_time_they_arrived():
+    out = io.StringIO()
+    router = OutputRouter(stdout=out, stderr=io.StringIO(), timestamps=True)
+    _feed(router, 3, b"hello\n")
+    assert router.join(5)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \[3\]<stdout>:hello\n", out.getvalue())

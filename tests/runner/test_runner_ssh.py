@@ -246,3 +246,16 @@ def test_failure_elsewhere_stops_the_remote_rank_world_size_2(hora_run, fake_ssh
     assert result.stderr.splitlines()[-1] == "hora run: rank 0 on localhost exited with status 3; stopped the other worker"
     pid = int(result.stdout.split(marker, 1)[1].split()[0])
     assert not is_alive(pid)
+
+
+def test_remote_rank_failure_names_its_python_exception_world_size_2(hora_run, fake_ssh, tmp_path):
+    result = _remote_job(hora_run, fake_ssh, tmp_path, """
+        import os, time
+        if os.environ["HORA_RANK"] == "1":
+            raise KeyError("learning_rate")
+        time.sleep(60)
+    """)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"hora run: rank 1 on {REMOTE} exited with status 1: KeyError: 'learning_rate'; "
+        "stopped the other worker")

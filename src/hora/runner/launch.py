@@ -18,7 +18,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from hora.errors import LaunchError
@@ -37,6 +37,8 @@ _OUTPUT_DRAIN_SECONDS = 5.0
 _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 # Extra seconds a remote rank gets to stop: the wrapper's own grace runs on the far side of a network.
 _REMOTE_SLACK_SECONDS = 3.0
+# Python's exit status after an uncaught exception: only then is a traceback on stderr the reason.
+_UNCAUGHT_EXCEPTION_STATUS = 1
 
 
 @dataclass(frozen=True)
@@ -58,17 +60,21 @@ class WorkerExit:
     """How a worker ended; ``returncode`` follows Popen (negative: killed by that signal).
 
     ``detail`` replaces the plain wording when there is more to say (a remote rank that lost its
-    SSH connection, or could not be started there).
+    SSH connection, or could not be started there). ``reason`` is the Python exception that ended
+    the worker (``ValueError: bad input``), when its stderr showed one: an exit status alone does
+    not tell a user which of their ranks' errors to look for.
     """
 
     rank: int
     host: str
     returncode: int
     detail: str | None = None
+    reason: str | None = None
 
     @property
     def description(self) -> str:
-        return f"rank {self.rank} on {self.host} {self.detail or describe_returncode(self.returncode)}"
+        text = f"rank {self.rank} on {self.host} {self.detail or describe_returncode(self.returncode)}"
+        return f"{text}: {self.reason}" if self.reason else text
 
     @property
     def exit_status(self) -> int:
@@ -307,4 +313,21 @@ def run_workers(
                 logger.warning("some worker output pipes were still open after %.0f s; "
                                "a worker's child may have escaped its process group",
                                _OUTPUT_DRAIN_SECONDS)
-    return supervisor.outcome
+    outcome = supervisor.outcome
+    if outcome.failure is not None:
+        outcome.failure = _explained(outcome.failure, router)
+        outcome.also_failed = [_explained(failed, router) for failed in outcome.also_failed]
+    return outcome
+
+
+def _explained(failure: WorkerExit, router: OutputRouter) -> WorkerExit:
+    """``failure`` with the Python exception its rank printed, once all its output was read.
+
+    Only a plain exit with Python's uncaught-exception status qualifies: a traceback that a worker
+    printed and handled before exiting with a status of its own (or before a signal killed it)
+    is not why it ended.
+    """
+    if failure.detail is not None or failure.returncode != _UNCAUGHT_EXCEPTION_STATUS:
+        return failure
+    reason = router.last_exception(failure.rank)
+    return replace(failure, reason=reason) if reason else failure

@@ -6,12 +6,21 @@ ranks and both streams, so lines from different ranks never interleave mid-line.
 with ``errors="replace"``: a worker printing binary garbage cannot crash the launcher. With an output
 directory, each rank's raw bytes also go to ``DIR/rank.<N>/stdout`` and ``DIR/rank.<N>/stderr``
 (Horovod's layout).
+
+The router also watches each rank's stderr for Python tracebacks and remembers the exception line
+of the last one (:class:`TracebackWatcher`), so the launcher can say *why* a worker failed
+("ValueError: bad input") and not only its exit status. Reading the rank's own stderr works for
+any Python worker, whether or not it imports hora, and for ranks started over SSH, whose stderr
+arrives through the same pipe. With ``timestamps``, each forwarded line starts with the local time
+it arrived (``--prefix-output-with-timestamp``).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -22,6 +31,52 @@ logger = logging.getLogger(__name__)
 # A line longer than this is forwarded in pieces, each on its own prefixed line, so a worker that
 # writes megabytes without a newline cannot make the launcher buffer all of it.
 MAX_LINE_BYTES = 64 * 1024
+
+
+# Longest exception line kept for the launcher's failure line.
+MAX_EXCEPTION_CHARS = 300
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+_GROUP_HEADER = "+ Exception Group Traceback (most recent call last):"
+# ``ValueError``, ``ValueError: message``, ``package.module.Error: message``.
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: .*)?")
+
+
+class TracebackWatcher:
+    """Finds the exception line of the last Python traceback in one rank's stderr.
+
+    Python prints an uncaught exception as a ``Traceback (most recent call last):`` header,
+    indented frame lines, and then the exception at column 0 (``KeyError: 'lr'``); chained
+    exceptions repeat the pattern, the one that ended the program coming last. The watcher keeps
+    the first line of the last such exception. It is fed whole lines by the output thread and
+    costs one string comparison per line outside a traceback. Exception groups (Python 3.11+)
+    print their tracebacks inside ``  | `` margins, which are looked through.
+    """
+
+    __slots__ = ("last", "_inside", "_margin")
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+        self._inside = False
+        self._margin = ""
+
+    def feed(self, line: str) -> None:
+        """Take one line of stderr (with or without its newline)."""
+        if not self._inside:
+            if line.startswith(_TRACEBACK_HEADER):
+                self._inside, self._margin = True, ""
+            elif line.lstrip(" ").startswith(_GROUP_HEADER):
+                self._inside, self._margin = True, "  | "
+            return
+        line = line.rstrip("\r\n")
+        if self._margin and line.startswith(self._margin):
+            line = line[len(self._margin):]
+        if not line or line[0].isspace():
+            return  # a frame, its source line, or a caret line
+        self._inside = False
+        if _EXCEPTION_LINE.fullmatch(line):
+            if len(line) > MAX_EXCEPTION_CHARS:
+                line = line[:MAX_EXCEPTION_CHARS - 3] + "..."
+            self.last = line
 
 
 def rank_directory_name(rank: int, size: int) -> str:
@@ -39,8 +94,11 @@ class OutputRouter:
         stderr: TextIO | None = None,
         output_dir: str | None = None,
         size: int = 1,
+        timestamps: bool = False,
     ) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
+        self._timestamps = timestamps
+        self._watchers: dict[int, TracebackWatcher] = {}
         self._broken: set[str] = set()
         self._output_dir = output_dir
         self._size = size
@@ -70,6 +128,7 @@ class OutputRouter:
         remote ranks use it to take the wrapper's status line out of the output.
         """
         files = files or {}
+        self._watchers[rank] = TracebackWatcher()
         started: dict[str, threading.Thread] = {}
         for kind, pipe in (("stdout", stdout_pipe), ("stderr", stderr_pipe)):
             if pipe is None:
@@ -84,6 +143,14 @@ class OutputRouter:
             started[kind] = thread
         return started
 
+    def last_exception(self, rank: int) -> str | None:
+        """The exception line of the last Python traceback ``rank`` wrote on stderr, if any.
+
+        Complete once the rank's stderr reached end of file (after :meth:`join`).
+        """
+        watcher = self._watchers.get(rank)
+        return watcher.last if watcher is not None else None
+
     def join(self, timeout: float) -> bool:
         """Wait for every pipe to reach end of file; False if some are still open after ``timeout``."""
         deadline = time.monotonic() + timeout
@@ -94,6 +161,8 @@ class OutputRouter:
     def _pump(self, rank: int, kind: str, pipe: BinaryIO, raw_file: BinaryIO | None,
               line_filter: Callable[[bytes], bytes] | None = None) -> None:
         prefix = f"[{rank}]<{kind}>:"
+        watcher = self._watchers.get(rank) if kind == "stderr" else None
+        timestamps = self._timestamps
         try:
             while True:
                 chunk = pipe.readline(MAX_LINE_BYTES)
@@ -108,7 +177,13 @@ class OutputRouter:
                 text = chunk.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"  # a final partial line (or a piece of a huge one) still ends a line
-                self._emit(kind, prefix + text)
+                if watcher is not None:
+                    watcher.feed(text)
+                if timestamps:
+                    self._emit(kind, f"{datetime.datetime.now().isoformat(sep=' ', timespec='milliseconds')} "
+                                     f"{prefix}{text}")
+                else:
+                    self._emit(kind, prefix + text)
         except (OSError, ValueError) as exc:  # pipe closed under us during shutdown
             logger.debug("output of rank %d (%s) ended: %s", rank, kind, exc)
         finally:
