@@ -23,8 +23,9 @@ import numpy as np
 from hora import config
 from hora.errors import HoraError
 from hora.transport import SUPPORTED_DTYPES, Communicator, ReduceOp, TransportUnavailable
+from hora.transport.base import ELEMENTWISE_OPS
 
-ALL_OPS = tuple(ReduceOp)
+ALL_OPS = ELEMENTWISE_OPS  # AVERAGE and ADASUM are the engine's, never a transport's
 ARITH_OPS = (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 BITWISE_OPS = (ReduceOp.BAND, ReduceOp.BOR)
 SMALL_SIZES = (0, 1, 7, 1001)
@@ -554,12 +555,23 @@ def _digest(data: bytes | None) -> str | None:
     return None if data is None else hashlib.sha256(data).hexdigest()[:24]
 
 
-def conformance_worker(transport: str, knobs: dict[str, int]) -> dict[str, Any]:
-    """Run every case on this rank; ``{case_id: (ok, detail, digest)}``."""
+def host_label(hosts: tuple[int, ...], rank: int) -> str | None:
+    """The emulated host of ``rank`` when ``hosts[i]`` consecutive ranks share host i (None: no layout)."""
+    if not hosts:
+        return None
+    labels = [f"emulated-host-{i}" for i, n in enumerate(hosts) for _ in range(n)]
+    return labels[rank]
+
+
+def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Run every case on this rank; ``{case_id: (ok, detail, digest)}``.
+
+    ``hosts`` emulates a multi-host layout (ranks per host) for transports that care where ranks run.
+    """
     from hora.transport.world import connect_world
 
     try:
-        comm = connect_world(transport)
+        comm = connect_world(transport, machine=host_label(hosts, config.get("rank")))
     except TransportUnavailable as exc:
         return {"__unavailable__": str(exc)}
     env = CaseEnv()

@@ -5,7 +5,8 @@ with no other change. The matrix (built in :mod:`conformance_cases`) covers ever
 :class:`~hora.transport.Communicator` x every dtype of ``SUPPORTED_DTYPES`` x every meaningful
 reduce op x sizes (empty, one element, odd, not divisible by the world size, across the
 small/large algorithm threshold and the pipeline chunk, many MiB) x world sizes 1-4, plus the
-errors the contract promises and the behaviour after close().
+errors the contract promises and the behaviour after close(). Transports that care where ranks run
+(hierarchical allreduce) run on emulated host layouts instead, uneven ones (2 + 1 ranks) included.
 
 Starting a job costs far more than a collective, so each world (transport, world size, knobs) runs
 as ONE job: every worker runs the whole case list and returns ``{case_id: (ok, detail, digest)}``.
@@ -59,10 +60,12 @@ class World:
     size: int
     variant: str = ""
     env: tuple[tuple[str, str], ...] = ()
+    hosts: tuple[int, ...] = ()  # ranks per emulated host, for transports that care where ranks run
 
     @property
     def name(self) -> str:
-        return f"{self.transport}-np{self.size}" + (f"-{self.variant}" if self.variant else "")
+        layout = f"-hosts{'+'.join(map(str, self.hosts))}" if self.hosts else ""
+        return f"{self.transport}-np{self.size}{layout}" + (f"-{self.variant}" if self.variant else "")
 
     @property
     def knobs(self) -> dict[str, int]:
@@ -75,12 +78,24 @@ class World:
 RING_ONLY_ENV = (("HORA_RING_SMALL_BYTES", "0"), ("HORA_RING_CHUNK_BYTES", "4096"))
 # Same-host peers connect over Unix-domain sockets by default; this world keeps them on TCP.
 NO_UNIX_ENV = (("HORA_UNIX_SOCKETS", "0"),)
-WORLDS = {
-    world.name: world
-    for transport in sorted(TRANSPORTS)
-    for world in [World(transport, n) for n in WORLD_SIZES]
-    + [World(transport, 3, "ring_only", RING_ONLY_ENV), World(transport, 3, "no_unix", NO_UNIX_ENV)]
+# Transports whose algorithm depends on how ranks are spread over hosts run on emulated layouts
+# instead (ranks given the same host label count as one host), uneven ones included.
+HOST_LAYOUTS: dict[str, list[tuple[int, ...]]] = {
+    "hierarchical": [(1,), (1, 1), (2, 1), (1, 2), (2, 2)],
 }
+UNEVEN_RING_ONLY = (2, 1)
+
+
+def _worlds(transport: str) -> list[World]:
+    layouts = HOST_LAYOUTS.get(transport)
+    if layouts is None:
+        return [World(transport, n) for n in WORLD_SIZES] + [
+            World(transport, 3, "ring_only", RING_ONLY_ENV), World(transport, 3, "no_unix", NO_UNIX_ENV)]
+    return [World(transport, sum(hosts), hosts=hosts) for hosts in layouts] + [
+        World(transport, sum(UNEVEN_RING_ONLY), "ring_only", RING_ONLY_ENV, UNEVEN_RING_ONLY)]
+
+
+WORLDS = {world.name: world for transport in sorted(TRANSPORTS) for world in _worlds(transport)}
 _JOBS: dict[str, Any] = {}
 
 
@@ -89,7 +104,8 @@ def _job_results(world: World) -> list[dict[str, Any]] | BaseException:
     if world.name not in _JOBS:
         env = {"HORA_TRANSPORT_TIMEOUT": str(JOB_TRANSPORT_TIMEOUT_S), **dict(world.env)}
         try:
-            _JOBS[world.name] = hora.run(conformance_worker, args=(world.transport, world.knobs), np=world.size, env=env)
+            _JOBS[world.name] = hora.run(
+                conformance_worker, args=(world.transport, world.knobs, world.hosts), np=world.size, env=env)
         except Exception as exc:  # noqa: BLE001 - every case of this world reports it
             _JOBS[world.name] = exc
     return _JOBS[world.name]

@@ -14,6 +14,7 @@ from hora.transport.base import (
     ReduceOp,
     TransportUnavailable,
 )
+from hora.transport.hierarchical import HierarchicalCommunicator
 from hora.transport.shm import ShmCommunicator
 from hora.transport.tcp import TcpCommunicator
 from hora.rendezvous.client import RendezvousClient
@@ -21,6 +22,7 @@ from hora.rendezvous.client import RendezvousClient
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {
     "tcp": TcpCommunicator,
     "shm": ShmCommunicator,
+    "hierarchical": HierarchicalCommunicator.connect,
 }
 
 
@@ -47,6 +49,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "TRANSPORTS",
     "Communicator",
+    "HierarchicalCommunicator",
     "ReduceOp",
     "ShmCommunicator",
     "TcpCommunicator",
