@@ -10,6 +10,7 @@ from typing import Iterable
 
 from hora.errors import RendezvousError
 from hora.rendezvous.auth import authenticate_as_client, secret_bytes
+from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import MAX_WAIT_SLICE
 from hora.rendezvous.wire import ConnectionClosed, recv_frame, send_frame
 
@@ -20,12 +21,18 @@ class RendezvousClient:
     """One authenticated connection to the job's store; safe to share between threads."""
 
     def __init__(
-        self, host: str, port: int, secret: str | bytes, connect_timeout: float = 30.0
+        self, host: str, port: int, secret: str | bytes, connect_timeout: float = 30.0,
+        io_timeout: float = MAX_WAIT_SLICE + 30.0,
     ) -> None:
+        """Connect and authenticate within ``connect_timeout`` s; afterwards a request whose reply
+        takes longer than ``io_timeout`` s (the server answers every request within its wait slice)
+        fails, and so does every later request on this client."""
         self.host = host
         self.port = int(port)
         self._secret = secret_bytes(secret)
         self._lock = threading.Lock()
+        self._io_timeout = float(io_timeout)
+        self._broken: str | None = None
         self._sock = self._connect(connect_timeout)
 
     def _connect(self, timeout: float) -> socket.socket:
@@ -44,8 +51,12 @@ class RendezvousClient:
                     ) from None
                 time.sleep(CONNECT_RETRY_SECONDS)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        authenticate_as_client(sock, self._secret, timeout=max(5.0, timeout))
-        sock.settimeout(MAX_WAIT_SLICE + 30.0)
+        try:
+            authenticate_as_client(sock, self._secret, timeout=max(5.0, timeout))
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(self._io_timeout)
         return sock
 
     def close(self) -> None:
@@ -63,18 +74,27 @@ class RendezvousClient:
 
     def _call(self, header: dict, value: bytes = b"") -> tuple[dict, bytes]:
         with self._lock:
+            if self._broken is not None:
+                raise RendezvousError(self._broken)
             try:
                 send_frame(self._sock, json.dumps(header).encode())
                 send_frame(self._sock, value)
                 reply = json.loads(recv_frame(self._sock, 64 * 1024 * 1024))
                 payload = recv_frame(self._sock)
-            except (OSError, ConnectionClosed) as exc:
-                raise RendezvousError(
-                    f"lost the rendezvous store at {self.host}:{self.port} ({exc}); "
-                    "the launcher has probably exited"
-                ) from None
+            except (OSError, RendezvousError, ValueError) as exc:
+                # A reply may still be on its way: the stream is out of step, so no later request
+                # may read from it (it would take this request's reply as its own).
+                what = "timed out waiting for" if isinstance(exc, socket.timeout) else "lost"
+                self._broken = (f"{what} the rendezvous store at {self.host}:{self.port} ({exc}); "
+                                "the launcher has probably exited")
+                try:
+                    self._sock.close()
+                except OSError:
+                    pass
+                raise RendezvousError(self._broken) from None
         if not reply.get("ok"):
-            raise RendezvousError(reply.get("error", "rendezvous request failed"))
+            error = reply.get("error", "rendezvous request failed")
+            raise StaleRoundError(error) if reply.get("kind") == "stale_round" else RendezvousError(error)
         return reply, payload
 
     def set(self, key: str, value: bytes) -> None:
@@ -125,3 +145,34 @@ class RendezvousClient:
             wanted = list(reply["missing"])
             if not wanted or time.monotonic() >= deadline:
                 return wanted
+
+    # ---- rounds (see hora.rendezvous.rounds) ------------------------------------------------------
+
+    def open_round(self, size: int, hosts: Iterable[tuple[str, int]] = (),
+                   expect_current: int | None = None) -> Round:
+        """Open the next round; see :meth:`KeyValueStore.open_round`."""
+        header = {"op": "round_open", "size": int(size), "hosts": [[str(h), int(s)] for h, s in hosts],
+                  "expect_current": expect_current}
+        return Round.from_json(self._call(header)[0]["round"])
+
+    def get_round(self, generation: int | None = None) -> Round | None:
+        """A round by generation (default: the current one); None if never opened or already gone."""
+        data = self._call({"op": "round_get", "generation": generation})[0]["round"]
+        return None if data is None else Round.from_json(data)
+
+    def wait_round(self, newer_than: int, timeout: float) -> Round | None:
+        """The current round once one newer than ``newer_than`` is open; None after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            data = self._call({"op": "round_wait", "newer_than": int(newer_than),
+                               "timeout": max(0.0, min(remaining, MAX_WAIT_SLICE))})[0]["round"]
+            if data is not None:
+                return Round.from_json(data)
+            if time.monotonic() >= deadline:
+                return None
+
+    def join_round(self, generation: int, rank: int, hostname: str) -> Round:
+        """Take ``rank`` in round ``generation``; :class:`StaleRoundError` if a newer round is open."""
+        header = {"op": "round_join", "generation": int(generation), "rank": int(rank), "hostname": hostname}
+        return Round.from_json(self._call(header)[0]["round"])

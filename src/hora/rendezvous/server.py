@@ -15,6 +15,7 @@ import threading
 
 from hora.errors import AuthenticationError, RendezvousError
 from hora.rendezvous.auth import authenticate_as_server, secret_bytes
+from hora.rendezvous.rounds import StaleRoundError
 from hora.rendezvous.store import KeyValueStore
 from hora.rendezvous.wire import ConnectionClosed, recv_frame, send_frame
 
@@ -24,6 +25,8 @@ HANDSHAKE_TIMEOUT = 10.0
 # Server-side cap on one blocking wait: a client that wants longer re-issues the request, so a
 # vanished client frees its thread soon after its socket closes.
 MAX_WAIT_SLICE = 5.0
+# A request header is a small JSON object; anything longer is refused before it is read.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class RendezvousServer:
@@ -98,10 +101,14 @@ class RendezvousServer:
                 return
             while not self._stop.is_set():
                 try:
-                    header = json.loads(recv_frame(conn, 64 * 1024))
+                    raw_header = recv_frame(conn, MAX_HEADER_BYTES)
                     value = recv_frame(conn)
                 except (ConnectionClosed, OSError):
                     return
+                try:
+                    header = json.loads(raw_header)
+                except ValueError:
+                    header = None  # answered as a malformed request; the framing is still intact
                 reply, payload = self._handle(header, value)
                 send_frame(conn, json.dumps(reply).encode())
                 send_frame(conn, payload)
@@ -112,9 +119,25 @@ class RendezvousServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handle(self, header: dict, value: bytes) -> tuple[dict, bytes]:
+    def _handle(self, header: object, value: bytes) -> tuple[dict, bytes]:
+        """One request's reply. A request the store refuses, or a malformed one, gets an error reply
+        and the connection stays usable: only a broken frame (which desynchronises the stream) or a
+        failed handshake ends a connection."""
+        try:
+            if not isinstance(header, dict):
+                raise ValueError(f"a request header must be a JSON object, got {type(header).__name__}")
+            return self._dispatch(header, value)
+        except StaleRoundError as exc:
+            return {"ok": False, "error": str(exc), "kind": "stale_round"}, b""
+        except RendezvousError as exc:
+            return {"ok": False, "error": str(exc)}, b""
+        except (KeyError, ValueError, TypeError) as exc:
+            return {"ok": False, "error": f"malformed rendezvous request {header!r:.200}: "
+                                          f"{type(exc).__name__}: {exc}"}, b""
+
+    def _dispatch(self, header: dict, value: bytes) -> tuple[dict, bytes]:
         op = header.get("op")
-        key = header.get("key", "")
+        key = str(header.get("key", ""))
         store = self.store
         if op == "set":
             store.set(key, value)
@@ -122,18 +145,36 @@ class RendezvousServer:
         if op == "set_if_absent":
             return {"ok": True}, store.set_if_absent(key, value)
         if op == "get":
-            timeout = min(float(header.get("timeout", 0.0)), MAX_WAIT_SLICE)
-            found = store.get(key, timeout)
+            found = store.get(key, _wait_slice(header))
             return ({"ok": True, "found": found is not None}, found or b"")
         if op == "add":
             return {"ok": True, "value": store.add(key, int(header["delta"]))}, b""
         if op == "wait":
-            timeout = min(float(header.get("timeout", 0.0)), MAX_WAIT_SLICE)
-            return {"ok": True, "missing": store.wait(header["keys"], timeout)}, b""
+            return {"ok": True, "missing": store.wait([str(k) for k in header["keys"]], _wait_slice(header))}, b""
         if op == "delete":
             return {"ok": True, "deleted": store.delete(key)}, b""
         if op == "keys":
-            return {"ok": True, "keys": store.keys(header.get("prefix", ""))}, b""
+            return {"ok": True, "keys": store.keys(str(header.get("prefix", "")))}, b""
         if op == "ping":
             return {"ok": True}, b""
+        if op == "round_open":
+            expect = header.get("expect_current")
+            opened = store.open_round(int(header["size"]), [tuple(h) for h in header.get("hosts", ())],
+                                      None if expect is None else int(expect))
+            return {"ok": True, "round": opened.to_json()}, b""
+        if op == "round_get":
+            generation = header.get("generation")
+            found_round = store.get_round(None if generation is None else int(generation))
+            return {"ok": True, "round": None if found_round is None else found_round.to_json()}, b""
+        if op == "round_wait":
+            found_round = store.wait_round(int(header["newer_than"]), _wait_slice(header))
+            return {"ok": True, "round": None if found_round is None else found_round.to_json()}, b""
+        if op == "round_join":
+            joined = store.join_round(int(header["generation"]), int(header["rank"]), str(header["hostname"]))
+            return {"ok": True, "round": joined.to_json()}, b""
         return {"ok": False, "error": f"unknown rendezvous op {op!r}"}, b""
+
+
+def _wait_slice(header: dict) -> float:
+    """The blocking time a request asks for, capped so a vanished client frees its thread soon."""
+    return max(0.0, min(float(header.get("timeout", 0.0)), MAX_WAIT_SLICE))
