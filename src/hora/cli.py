@@ -1,8 +1,10 @@
 """The ``hora`` command: ``hora run`` (what ``horovodrun`` users type), ``hora check``, ``hora bench``.
 
 This is the one place in the runner that prints. Library modules log and raise; here errors found
-before any worker starts become ``hora run: error: ...`` with exit status 2 (argparse's convention),
-and the end of a failed job becomes one line naming the rank, its host and its exit status.
+before any worker starts (a bad value, an unknown option, a Horovod option hora cannot honour yet)
+become one line ``hora run: error: ...`` with exit status 2 (argparse's convention), and the end of
+a failed job becomes one line naming the rank, its host, its exit status and, when the rank died
+from a Python exception, that exception.
 """
 
 from __future__ import annotations
@@ -91,30 +93,41 @@ def _configure_logging(verbose: bool, level_name: str | None) -> None:
     logging.basicConfig(level=level, format="hora run: %(message)s", stream=sys.stderr)
 
 
+def _usage_error(message: str) -> int:
+    """One line, argparse's exit status: the launch stops before anything started."""
+    print(f"hora run: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run_main(argv: Sequence[str]) -> int:
     """``hora run``: parse, validate, launch, and report how the job ended."""
     from hora.runner.job import Job
-    from hora.runner.run_args import build_parser, command_of, knob_environment, resolve_hosts
+    from hora.runner.run_args import UsageError, knob_environment, notes, parse_run_args, resolve_hosts
     from hora.runner.ssh import SshOptions
 
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
+    try:
+        args = parse_run_args(argv)
+    except UsageError as exc:
+        return _usage_error(str(exc))
     if args.check_build:
         return check_main([])
     if args.np is None:
-        parser.error("-np/--num-proc is required (the number of workers to start)")
-    command = command_of(args)
+        return _usage_error("-np/--num-proc is required (the number of workers to start)")
+    command = args.command
     if not command:
-        parser.error("missing the command to run, e.g. hora run -np 2 python train.py")
-    _configure_logging(args.verbose, args.log_level)
+        return _usage_error("missing the command to run, e.g. hora run -np 2 python train.py")
+    _configure_logging(bool(args.verbose), args.log_level)
+    for note in notes(args):
+        logger.info("%s", note)
     try:
         hosts = resolve_hosts(args)
         ssh = SshOptions.from_config(port=args.ssh_port, identity_file=args.ssh_identity_file)
         job = Job(hosts, args.np, command, extra_env=knob_environment(args),
                   output_dir=args.output_filename, ssh=ssh,
-                  network_interfaces=args.network_interfaces)
+                  network_interfaces=args.network_interfaces,
+                  timestamps=bool(args.prefix_output_with_timestamp))
     except (ConfigError, LaunchError) as exc:
-        parser.error(str(exc))
+        return _usage_error(str(exc))
     if not job.remote_hosts and (args.ssh_port is not None or args.ssh_identity_file is not None):
         logger.info("-p/-i (SSH options) are not needed: every rank of this job runs on this host")
     for slot in job.slots:

@@ -104,7 +104,7 @@ def test_run_parser_accepts_horovodrun_options():
         "--fusion-threshold-mb", "64", "--cycle-time-ms", "2.5", "--cache-capacity", "0",
         "--hierarchical-allreduce", "--timeline-filename", "/tmp/tl.json", "--timeline-mark-cycles",
         "--no-stall-check", "--stall-check-warning-time-seconds", "30",
-        "--stall-check-shutdown-time-seconds", "120", "--log-level", "debug", "--autotune",
+        "--stall-check-shutdown-time-seconds", "120", "--log-level", "debug", "--no-autotune",
         "python", "train.py", "-np", "9", "--lr", "0.1",
     ])
     assert args.np == 4 and args.hosts == "localhost:4" and args.ssh_port == 2222
@@ -116,7 +116,7 @@ def test_run_parser_accepts_horovodrun_options():
         "HIERARCHICAL_ALLREDUCE": "1", "TIMELINE": "/tmp/tl.json", "TIMELINE_MARK_CYCLES": "1",
         "STALL_CHECK_DISABLE": "1", "STALL_CHECK_TIME_SECONDS": "30.0",
         "STALL_SHUTDOWN_TIME_SECONDS": "120.0", "LOG_LEVEL": "DEBUG", "START_TIMEOUT": "12.0",
-        "AUTOTUNE": "1",
+        "AUTOTUNE": "0",
     }
     for name, value in expected.items():
         assert env[f"HORA_{name}"] == value, name

@@ -43,7 +43,8 @@ class Job:
     leaving stops it. ``command`` is either one argv for every rank or a function of the rank's
     :class:`SlotInfo`. ``ssh`` configures connections to remote hosts (default: the ``ssh_*``
     knobs); ``network_interfaces`` (interface names or addresses, first match per host) chooses the
-    address workers listen on; ``cwd`` is where remote workers start (default: this directory).
+    address workers listen on; ``cwd`` is where remote workers start (default: this directory);
+    ``timestamps`` starts each forwarded output line with the time it arrived.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class Job:
         ssh: SshOptions | None = None,
         network_interfaces: Sequence[str] | None = None,
         cwd: str | None = None,
+        timestamps: bool = False,
     ) -> None:
         used = hosts_used(list(hosts), np)
         self.slots = assign_slots(list(hosts), np)
@@ -68,7 +70,8 @@ class Job:
         self._command = command
         self._extra_env = dict(extra_env or {})
         self._base_env = base_env
-        self._router = OutputRouter(stdout=stdout, stderr=stderr, output_dir=output_dir, size=np)
+        self._router = OutputRouter(stdout=stdout, stderr=stderr, output_dir=output_dir, size=np,
+                                    timestamps=timestamps)
         self._kill_grace = config.get("kill_grace") if kill_grace is None else kill_grace
         self._interfaces = tuple(network_interfaces) if network_interfaces else None
         self._ssh = (ssh or SshOptions.from_config()) if self.remote_hosts else ssh
