@@ -8,32 +8,23 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hora import config
-from hora.engine.engine import Engine, EngineSettings
+from hora.engine.engine import Engine
 from hora.engine.request import Handle, Kind, Request, signature
 from hora.engine.timeline import Timeline
 from hora.errors import HoraError
-from hora.rendezvous.auth import new_secret
-from hora.rendezvous.client import RendezvousClient
-from hora.rendezvous.server import RendezvousServer
-from hora.transport import create_communicator
-from hora.transport.world import Topology, form_world
-from hora.transport.base import Communicator
+from hora.runtime import Coordinates, Joined, Runtime, assemble
+from hora.transport.base import ReduceOp
 
-logger = logging.getLogger("hora")
-
-# Reduce ops: Horovod's values, so code that stores or compares them keeps working.
-Average = 0
-Sum = 1
-Adasum = 2
-Min = 3
-Max = 4
-Product = 5
+# Reduce ops: the one ReduceOp type, with Horovod's values, so code that stores or compares them keeps working.
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
 
 
 class ProcessSet:
@@ -76,111 +67,41 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-@dataclass
-class _Topology:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    homogeneous: bool
-
-
 class _Context:
-    """Everything ``init`` builds and ``shutdown`` tears down."""
+    """The process's runtime (what ``init`` assembled) and the process sets registered on it."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.engine: Engine | None = None
-        self.world: Communicator | None = None
-        self.store: RendezvousClient | None = None
-        self.own_server: RendezvousServer | None = None
-        self.topology: _Topology | None = None
-        self.secret: str = ""
-        self.scope: str = ""
+        self.runtime: Runtime | None = None
+        self.last_joined: Joined | None = None  # the round the last runtime took part in
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
-        self.generation = itertools.count()
         self.op_names = itertools.count()
+
+    @property
+    def engine(self) -> Engine | None:
+        runtime = self.runtime
+        return None if runtime is None else runtime.engine
 
 
 _ctx = _Context()
 
 
-def _engine_settings() -> EngineSettings:
-    return EngineSettings(
-        fusion_threshold=int(config.get("fusion_threshold")),
-        cycle_time_s=float(config.get("cycle_time")) / 1000.0,
-        cache_capacity=int(config.get("cache_capacity")),
-        stall_check=not config.get("stall_check_disable"),
-        stall_warning_s=float(config.get("stall_check_time_seconds")),
-        stall_shutdown_s=float(config.get("stall_shutdown_time_seconds")),
-    )
-
-
-def _connect_store() -> tuple[RendezvousClient, str, int, int]:
-    """The job's store, or, for a script started without a launcher, a private one (size 1)."""
-    if config.get("rendezvous_addr") is None:
-        foreign = config.foreign_launcher_world_size()
-        if foreign is not None:
-            raise HoraError(
-                f"this process is one of {foreign[1]} started by another launcher ({foreign[0]}={foreign[1]}), "
-                "but hora joins only jobs started by `hora run` or hora.run(); running each process as "
-                "its own job would train unsynchronised models. Start it with `hora run -np N ...`"
-            )
-        if config.get("size") not in (None, 1):
-            raise HoraError("HORA_SIZE is set but HORA_RENDEZVOUS_ADDR is not: start workers with `hora run`")
-        secret = new_secret()
-        _ctx.own_server = RendezvousServer(secret).start()
-        store = RendezvousClient(*_ctx.own_server.address, secret)
-        return store, secret, 0, 1
-    secret = config.get("secret")
-    if not secret:
-        raise HoraError("HORA_SECRET is not set: start workers with `hora run`")
-    store = RendezvousClient(
-        config.get("rendezvous_addr"), config.get("rendezvous_port"), secret,
-        connect_timeout=config.get("start_timeout"),
-    )
-    return store, secret, int(config.get("rank")), int(config.get("size"))
-
-
 def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
-    """Join the job: connect to every other rank and start the engine. A second call does nothing."""
+    """Join the job: connect to every other rank and start the engine. A second call does nothing.
+
+    After ``shutdown()``, ``init()`` joins the job's next rendezvous round (see :mod:`hora.runtime`).
+    A failed ``init()`` leaves nothing behind: the process is as if it had never been called.
+    """
     with _ctx.lock:
-        if _ctx.engine is not None:
+        if _ctx.runtime is not None:
             return
-        logging.getLogger("hora").setLevel(config.get("log_level").replace("TRACE", "DEBUG").replace("FATAL", "CRITICAL"))
         if comm is not None and hasattr(comm, "Get_rank"):
             raise HoraError("init(comm=<MPI communicator>) needs the MPI transport, which hora lacks yet; "
                             "pass a list of ranks or start workers with `hora run`")
-        store, secret, my_rank, world_size = _connect_store()
-        members = list(range(world_size)) if comm is None else sorted(int(r) for r in comm)
-        if my_rank not in members:
-            store.close()
-            raise ValueError(f"rank {my_rank} is not in init(comm={members})")
-        generation = next(_ctx.generation)
-        scope = f"{config.get('job_id') or 'job'}/init{generation}/{'-'.join(map(str, members)) if comm is not None else 'world'}"
-        try:
-            world, topology = form_world(members.index(my_rank), members, store, scope, secret)
-        except BaseException:
-            store.close()
-            raise
-        _ctx.store, _ctx.secret, _ctx.scope, _ctx.world = store, secret, scope, world
-        _ctx.topology = _topology(world, topology)
-
-        def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
-            # Process-set members are ranks of this world (what hora.rank() returns).
-            same_host = len({topology.machines[m] for m in set_members}) == 1
-            kind = "shm" if same_host and len(set_members) > 1 and config.get("transport") != "tcp" else "tcp"
-            return create_communicator(kind, index, set_members, store, f"{scope}/{tag}", secret)
-
-        timeline = None
-        path = config.get("timeline")
-        if path and path.upper() != "DYNAMIC" and world.rank == 0:
-            timeline = Timeline(path, bool(config.get("timeline_mark_cycles")))
-        _ctx.engine = Engine(world, _engine_settings(), make_communicator, timeline)
-        global_process_set.ranks = list(range(world.size))
+        runtime = assemble(comm, _ctx.last_joined)
+        _ctx.runtime, _ctx.last_joined = runtime, runtime.joined
+        global_process_set.ranks = list(range(runtime.coordinates.size))
         _ctx.process_sets = {0: global_process_set}
         if not _ctx.atexit_registered:
             atexit.register(shutdown)
@@ -190,50 +111,32 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
             add_process_set(ps)
 
 
-def _topology(world: Communicator, topology: Topology) -> _Topology:
-    """Local and cross ranks as the transport found them (the launcher's claims are checked)."""
-    me = world.rank
-    local_rank, local_size = topology.local(me)
-    cross_rank, cross_size = topology.cross(me)
-    claimed = config.get("local_rank")
-    if claimed is not None and world.size == (config.get("size") or 1) and claimed != local_rank:
-        logger.warning("rank %d: the launcher says local rank %s, but ranks sharing this host make it %d",
-                       me, claimed, local_rank)
-    return _Topology(me, world.size, local_rank, local_size, cross_rank, cross_size, topology.homogeneous)
-
-
 def shutdown() -> None:
-    """Stop the engine and close every connection; ``init()`` afterwards starts afresh."""
+    """Stop the engine and close every connection; ``init()`` afterwards starts afresh.
+
+    Safe at any time: before ``init()``, twice, or after a failed ``init()``; it never raises and
+    always leaves hora uninitialised with no process set registered (what a test fixture wants).
+    """
     with _ctx.lock:
-        engine, world, store, server = _ctx.engine, _ctx.world, _ctx.store, _ctx.own_server
-        _ctx.engine = _ctx.world = _ctx.store = _ctx.own_server = None
-        _ctx.topology = None
+        runtime, _ctx.runtime = _ctx.runtime, None
         for ps in _ctx.process_sets.values():
             if ps is not global_process_set:
                 ps.process_set_id = None
         _ctx.process_sets = {}
-    if engine is not None:
-        engine.shutdown()
-        timeline = engine.set_timeline(None)
-        if timeline is not None:
-            timeline.close()
-    if world is not None:
-        world.close()
-    if store is not None:
-        store.close()
-    if server is not None:
-        server.stop()
+        global_process_set.ranks = []
+    if runtime is not None:
+        runtime.close()
 
 
 def is_initialized() -> bool:
-    return _ctx.engine is not None
+    return _ctx.runtime is not None
 
 
-def _topo() -> _Topology:
-    topology = _ctx.topology
-    if topology is None:
+def _topo() -> Coordinates:
+    runtime = _ctx.runtime
+    if runtime is None:
         raise ValueError("hora has not been initialized; call hora.init() first")
-    return topology
+    return runtime.coordinates
 
 
 def size() -> int:
@@ -309,10 +212,10 @@ def rocm_built() -> bool:
 # ---- engine access for the bindings -------------------------------------------------------------
 
 def engine() -> Engine:
-    eng = _ctx.engine
-    if eng is None:
+    runtime = _ctx.runtime
+    if runtime is None:
         raise ValueError("hora has not been initialized; call hora.init() first")
-    return eng
+    return runtime.engine
 
 
 def process_set_id(process_set: ProcessSet | None) -> int:

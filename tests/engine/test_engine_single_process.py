@@ -47,19 +47,45 @@ def test_lifecycle_init_is_idempotent_and_init_after_shutdown_works(no_hora_env)
     hora.init()
     try:
         assert hora.is_initialized()
-        engine = basics._ctx.engine
+        engine = basics.engine()
         hora.init()  # does nothing
-        assert basics._ctx.engine is engine
+        assert basics.engine() is engine
         assert (hora.size(), hora.rank(), hora.local_size(), hora.local_rank()) == (1, 0, 1, 0)
         assert (hora.cross_size(), hora.cross_rank(), hora.is_homogeneous()) == (1, 0, True)
         hora.shutdown()
         assert not hora.is_initialized()
         hora.shutdown()  # twice is harmless
         hora.init()
-        assert hora.is_initialized() and basics._ctx.engine is not engine
+        assert hora.is_initialized() and basics.engine() is not engine
         np.testing.assert_array_equal(hora.allreduce(np.arange(3.0), name="after_reinit"), np.arange(3.0))
     finally:
         hora.shutdown()
+
+
+def _rendezvous_threads() -> int:
+    import threading
+
+    return sum(1 for t in threading.enumerate() if t.name == "hora-rendezvous" and t.is_alive())
+
+
+def test_a_failed_init_leaves_nothing_running_and_init_works_afterwards(no_hora_env, monkeypatch):
+    """A failing init() must not leak its private rendezvous server, and leaves hora uninitialised."""
+    hora.shutdown()
+    before = _rendezvous_threads()
+    monkeypatch.setenv("HORA_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(hora.HoraError, match="carrier-pigeon"):
+        hora.init()
+    assert not hora.is_initialized()
+    assert _rendezvous_threads() == before
+    with pytest.raises(ValueError, match="init"):
+        hora.rank()
+    monkeypatch.delenv("HORA_TRANSPORT")
+    hora.init()
+    try:
+        assert hora.size() == 1 and _rendezvous_threads() == before + 1
+    finally:
+        hora.shutdown()
+    assert _rendezvous_threads() == before
 
 
 def test_reduce_op_constants_equal_horovods():

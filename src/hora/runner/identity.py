@@ -1,8 +1,11 @@
 """Who this worker is, as the launcher told it through the environment.
 
-The transport and :mod:`hora.runner.task` call :func:`from_environment` once at start. A process not
-started by ``hora run`` (or :func:`hora.run`) gets one clear error naming every missing variable,
-instead of a KeyError deep inside a connection attempt.
+This is the one place hora reads a worker's identity (rank, size, local and cross coordinates, host,
+the rendezvous address, the job secret and id): ``init()`` asks :func:`for_init`, the function
+runner (:mod:`hora.runner.task`) and the world helpers ask :func:`from_environment`, and code that
+only needs to know whether it runs inside a job asks :func:`is_worker`. A process not started by
+``hora run`` (or :func:`hora.run`) gets one clear error naming every missing variable, instead of a
+KeyError deep inside a connection attempt.
 """
 
 from __future__ import annotations
@@ -49,6 +52,34 @@ def from_environment(environ: Mapping[str, str] | None = None) -> WorkerIdentity
     identity = WorkerIdentity(**values)  # type: ignore[arg-type]
     _check_consistent(identity)
     return identity
+
+
+def is_worker(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a worker of a job started by ``hora run`` / :func:`hora.run`."""
+    return config.is_set("rank", environ) or config.is_set("rendezvous_addr", environ)
+
+
+def for_init(environ: Mapping[str, str] | None = None) -> WorkerIdentity | None:
+    """The identity ``init()`` joins its job with; None for a script started on its own.
+
+    A script started without a launcher forms a private size-1 job, but one started by another
+    launcher (mpirun, srun) as one of several processes is refused: running each process as its own
+    job would train unsynchronised models. A partial identity (``HORA_SIZE=4`` but no rendezvous
+    address, a missing secret...) is refused with the names of the missing variables.
+    """
+    if not config.is_set("rendezvous_addr", environ):
+        foreign = config.foreign_launcher_world_size(environ)
+        if foreign is not None:
+            raise HoraError(
+                f"this process is one of {foreign[1]} started by another launcher ({foreign[0]}={foreign[1]}), "
+                "but hora joins only jobs started by `hora run` or hora.run(); running each process as "
+                "its own job would train unsynchronised models. Start it with `hora run -np N ...`"
+            )
+        if config.get("size", environ) not in (None, 1):
+            raise HoraError(f"{config.knob('size').env} is set but {config.knob('rendezvous_addr').env} "
+                            "is not: start workers with `hora run`")
+        return None
+    return from_environment(environ)
 
 
 def _check_consistent(identity: WorkerIdentity) -> None:

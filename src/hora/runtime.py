@@ -1,0 +1,217 @@
+"""Where a process's hora runtime is assembled and taken apart.
+
+``init()`` needs, in order: the worker's identity (:mod:`hora.runner.identity`), a connection to the
+job's rendezvous store (or a private store for a script started on its own), a rendezvous round to
+join (:mod:`hora.rendezvous.rounds`), the world's communicator and topology
+(:mod:`hora.transport.world`), and the engine. :func:`assemble` does exactly that and returns a
+:class:`Runtime`; :meth:`Runtime.close` undoes it. :mod:`hora.basics` keeps one Runtime and the
+public API (rank, size, process sets...) on top of it, and knows nothing of stores or sockets.
+
+Every world is a rendezvous round. The first ``init()`` of a process joins round 0 (the launcher's
+ranks); ``shutdown()`` then ``init()`` joins the next round: in elastic mode the one the driver
+opens (it says which host slot gets which rank), otherwise the first worker to re-initialise opens
+it with the previous round's plan and the others join that one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hora import config
+from hora.engine.engine import Engine, EngineSettings
+from hora.engine.timeline import Timeline
+from hora.errors import HoraError
+from hora.rendezvous.auth import new_secret
+from hora.rendezvous.client import RendezvousClient
+from hora.rendezvous.rounds import Round
+from hora.rendezvous.server import RendezvousServer
+from hora.runner import identity
+from hora.transport import world as world_formation
+from hora.transport import create_communicator
+from hora.transport.base import Communicator
+
+logger = logging.getLogger("hora")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """This process's place in the formed world, as the transport found it (not as claimed)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    homogeneous: bool
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The round a worker took part in and the slot it held, remembered across ``shutdown()`` so the
+    next ``init()`` joins the round after it."""
+
+    round: Round
+    private: bool
+
+
+class Runtime:
+    """One assembled world: its store connection, round, communicator, coordinates and engine."""
+
+    def __init__(self, store: RendezvousClient, own_server: RendezvousServer | None, joined: Joined,
+                 world: Communicator, coordinates: Coordinates, engine: Engine) -> None:
+        self.store = store
+        self.own_server = own_server
+        self.joined = joined
+        self.world = world
+        self.coordinates = coordinates
+        self.engine = engine
+
+    @property
+    def round(self) -> Round:
+        return self.joined.round
+
+    def close(self) -> None:
+        """Stop the engine and close every connection. Never raises: shutdown must always leave a
+        clean process, whatever state a failure left the pieces in."""
+        engine, self.engine = self.engine, None  # type: ignore[assignment]
+        if engine is not None:
+            _quietly("stopping the engine", engine.shutdown)
+            timeline = _quietly("detaching the timeline", engine.set_timeline, None)
+            if timeline is not None:
+                _quietly("closing the timeline", timeline.close)
+        _close_connections(self.world, self.store, self.own_server)
+        self.world = self.store = self.own_server = None  # type: ignore[assignment]
+
+
+def _quietly(what: str, func: Callable, *args: object) -> object:
+    try:
+        return func(*args)
+    except Exception as exc:  # noqa: BLE001 - teardown goes on whatever one piece does
+        logger.warning("hora shutdown: %s failed: %s", what, exc)
+        return None
+
+
+def _close_connections(world: Communicator | None, store: RendezvousClient | None,
+                       server: RendezvousServer | None) -> None:
+    if world is not None:
+        _quietly("closing the world's connections", world.close)
+    if store is not None:
+        _quietly("closing the rendezvous connection", store.close)
+    if server is not None:
+        _quietly("stopping the private rendezvous server", server.stop)
+
+
+def engine_settings() -> EngineSettings:
+    """The engine's knobs from the config table."""
+    return EngineSettings(
+        fusion_threshold=int(config.get("fusion_threshold")),
+        cycle_time_s=float(config.get("cycle_time")) / 1000.0,
+        cache_capacity=int(config.get("cache_capacity")),
+        stall_check=not config.get("stall_check_disable"),
+        stall_warning_s=float(config.get("stall_check_time_seconds")),
+        stall_shutdown_s=float(config.get("stall_shutdown_time_seconds")),
+    )
+
+
+def _set_log_level() -> None:
+    level = str(config.get("log_level")).replace("TRACE", "DEBUG").replace("FATAL", "CRITICAL")
+    logging.getLogger("hora").setLevel(level)
+
+
+def _choose_round(store: RendezvousClient, me: identity.WorkerIdentity | None,
+                  previous: Joined | None) -> tuple[Round, int]:
+    """The round to join and this worker's rank in it."""
+    size = 1 if me is None else me.size
+    if previous is None or previous.private:
+        opened = store.open_round(size, expect_current=-1)  # round 0, or the one already open
+    elif config.get("elastic"):
+        timeout = float(config.get("start_timeout"))
+        found = store.wait_round(previous.round.generation, timeout)
+        if found is None:
+            raise HoraError(f"no rendezvous round after {previous.round.generation} was opened within "
+                            f"{timeout:.0f} s; the elastic driver opens the next round")
+        opened = found
+    else:
+        last = previous.round
+        opened = store.open_round(last.size, last.hosts, expect_current=last.generation)
+    if me is None:
+        return opened, 0
+    if opened.hosts:
+        rank = opened.rank_for(me.hostname, me.local_rank)
+        if rank is None:
+            raise HoraError(f"rendezvous round {opened.generation} has no slot for {me.hostname} slot "
+                            f"{me.local_rank} (its hosts are {list(opened.hosts)})")
+        return opened, rank
+    if opened.size != me.size:
+        raise HoraError(f"rendezvous round {opened.generation} has {opened.size} ranks but "
+                        f"{config.knob('size').env}={me.size}")
+    return opened, me.rank
+
+
+def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
+    """Join the job and build everything ``init()`` provides; on failure close what was built.
+
+    ``comm`` limits the world to those ranks (of the round); ``previous`` is what the last runtime of
+    this process joined (None at the first ``init()``).
+    """
+    _set_log_level()
+    me = identity.for_init()
+    server: RendezvousServer | None = None
+    store: RendezvousClient | None = None
+    world: Communicator | None = None
+    try:
+        if me is None:
+            secret = new_secret()
+            server = RendezvousServer(secret).start()
+            store = RendezvousClient(*server.address, secret)
+            hostname = socket.gethostname()
+        else:
+            secret = me.secret
+            store = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, secret,
+                                     connect_timeout=float(config.get("start_timeout")))
+            hostname = me.hostname
+        current, my_rank = _choose_round(store, me, previous)
+        members = list(range(current.size)) if comm is None else sorted(int(r) for r in comm)
+        if my_rank not in members:
+            raise ValueError(f"rank {my_rank} is not in init(comm={members})")
+        joined = Joined(store.join_round(current.generation, my_rank, hostname), private=me is None)
+        scope = current.prefix + ("world" if comm is None else "world-" + "-".join(map(str, members)))
+        world, topology = world_formation.form_world(members.index(my_rank), members, store, scope, secret)
+        coordinates = _coordinates(world, topology, me)
+
+        def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
+            # Process-set members are ranks of this world (what hora.rank() returns).
+            return _group_communicator(index, set_members, topology, store, f"{scope}/{tag}", secret)
+
+        timeline = None
+        path = config.get("timeline")
+        if path and path.upper() != "DYNAMIC" and world.rank == 0:
+            timeline = Timeline(path, bool(config.get("timeline_mark_cycles")))
+        engine = Engine(world, engine_settings(), make_communicator, timeline)
+    except BaseException:
+        _close_connections(world, store, server)
+        raise
+    return Runtime(store, server, joined, world, coordinates, engine)
+
+
+def _group_communicator(index: int, members: list[int], topology: world_formation.Topology,
+                        store: RendezvousClient, scope: str, secret: str) -> Communicator:
+    same_host = len({topology.machines[m] for m in members}) == 1
+    kind = "shm" if same_host and len(members) > 1 and config.get("transport") != "tcp" else "tcp"
+    return create_communicator(kind, index, members, store, scope, secret)
+
+
+def _coordinates(world: Communicator, topology: world_formation.Topology,
+                 me: identity.WorkerIdentity | None) -> Coordinates:
+    """Local and cross ranks as the transport found them (the launcher's claims are checked)."""
+    rank = world.rank
+    local_rank, local_size = topology.local(rank)
+    cross_rank, cross_size = topology.cross(rank)
+    if me is not None and world.size == me.size and me.local_rank != local_rank:
+        logger.warning("rank %d: the launcher says local rank %s, but ranks sharing this host make it %d",
+                       rank, me.local_rank, local_rank)
+    return Coordinates(rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.homogeneous)
