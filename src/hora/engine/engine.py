@@ -138,9 +138,14 @@ class Engine:
         self._idle_cycles = 0
         self._progress = False
         self._sets: dict[int, SetState] = {}
+        # The same states in id order, replaced (never mutated) when a set is added or removed, so
+        # that a thread outside the cycle may look at them while a cycle changes the sets.
+        self._states: tuple[SetState, ...] = ()
         self._known_sets: dict[int, list[int]] = {}
         self._next_set_id = 1
-        self._names = itertools.count()
+        # Unnamed collectives: a counter per kind, started over when a join completes (see auto_name).
+        self._name_counters: dict[str, itertools.count] = {}
+        self._join_epoch = 0
         #: Negotiation rounds (name-based coordinator exchanges) this rank has taken part in, all
         #: process sets together. Steady state served by the response cache adds none.
         self.negotiation_rounds = 0
@@ -164,12 +169,7 @@ class Engine:
         )
         state.executor.before_complete = lambda items, state=state: self._finished(state, items)
         self._sets[set_id] = state
-
-    def process_set_members(self, set_id: int) -> list[int] | None:
-        return self._known_sets.get(set_id)
-
-    def process_set_ids(self) -> list[int]:
-        return sorted(self._known_sets)
+        self._states = tuple(self._sets[k] for k in sorted(self._sets))
 
     def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
         """Swap the timeline (start_timeline/stop_timeline); returns the previous one."""
@@ -183,7 +183,17 @@ class Engine:
     # ---- submission ---------------------------------------------------------------------------
 
     def auto_name(self, kind: str) -> str:
-        return f"{kind.lower()}.noname.{next(self._names)}"
+        """A name for an unnamed collective, the same on every rank that makes the same calls.
+
+        Ranks need not make the same calls: while some ranks have joined, the others call
+        collectives the joined ones never do. So names are counted per kind, and the counters start
+        over (in a new epoch, so no name repeats one still in flight) when a join completes, the
+        point at which every rank is back in step.
+        """
+        counter = self._name_counters.get(kind)
+        if counter is None:
+            counter = self._name_counters.setdefault(kind, itertools.count())
+        return f"{kind.lower()}.noname.{self._join_epoch}.{next(counter)}"
 
     def submit(self, requests: list[Request]) -> list[Handle]:
         """Queue requests (a grouped collective's members together); returns their handles at once."""
@@ -244,30 +254,78 @@ class Engine:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("rank %d: engine thread did not stop within %.0f s", self.global_rank, timeout)
+            self._stop(HorovodInternalError(
+                f"rank {self.global_rank}: hora was shut down while this collective was pending"))
         for set_id, state in self._sets.items():
             if set_id != 0:
                 state.comm.close()
 
-    @property
-    def failure(self) -> HorovodInternalError | None:
-        return self._failure
-
     def _fail_all(self, error: HorovodInternalError) -> None:
+        """Fail every pending request of every process set (each queued request is also in its
+        set's ``in_flight``, see submit); later submissions raise ``error``."""
         with self._lock:
             if self._failure is None:
                 self._failure = error
-            states = list(self._sets.values())
-        for state in states:
-            with self._lock:  # every queued request is also in in_flight (see submit)
-                doomed = list(state.in_flight.values())
+            for state in self._sets.values():
+                self._fail_requests(list(state.in_flight.values()), str(error))
                 state.in_flight.clear()
-            for request in doomed:
-                if not request.handle.done():
-                    request.handle.set_error(HorovodInternalError(str(error)))
+
+    @staticmethod
+    def _fail_requests(requests: list[Request], message: str) -> None:
+        # Under self._lock: the one place, besides a cycle, that completes handles.
+        for request in requests:
+            if not request.handle.done():
+                request.handle.set_error(HorovodInternalError(message))
+
+    def abandon_if_stopped(self, handle: Handle) -> bool:
+        """Fail ``handle`` if this engine has stopped without completing it; True if it did.
+
+        A waiting thread calls this between bounded waits, so that a handle the engine can no
+        longer complete (it stopped, or failed, while the handle waited) ends in an error instead
+        of a wait that nothing will ever end.
+        """
+        if not self._stopped or handle.done():
+            return False
+        with self._lock:
+            if not handle.done():
+                failure = self._failure
+                handle.set_error(HorovodInternalError(
+                    str(failure) if failure is not None
+                    else f"rank {self.global_rank}: hora stopped before {handle.name!r} completed"))
+        return True
+
+    def report_wait(self, handle: Handle, waited: float) -> None:
+        """Say on this rank what a handle waited on for ``waited`` seconds is waiting for (the
+        waiting side's stall report: it names the tensor even where no coordinator sees it)."""
+        where = "its result"
+        with self._lock:
+            for state in self._sets.values():
+                request = state.in_flight.get(handle.name)
+                if request is None or request.handle is not handle:
+                    continue
+                if request.name in state.awaiting:
+                    where = f"the other ranks of process set {state.set_id} to submit it"
+                elif any(r is request for r in state.by_bit.values()):
+                    where = f"the other ranks of process set {state.set_id} (cached request)"
+                else:
+                    where = "the engine to negotiate it"
+                break
+        logger.warning("rank %d: collective %r has waited %.0f s for %s", self.global_rank, handle.name,
+                       waited, where)
 
     # ---- the cycle ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._run_cycles()
+        except BaseException as exc:  # a bug here must fail the pending handles, not strand them
+            if not self._stopped:
+                logger.error("rank %d: engine thread crashed: %r", self.global_rank, exc)
+                self._stop(HorovodInternalError(f"rank {self.global_rank}: engine thread crashed: {exc!r}"))
+            if not isinstance(exc, Exception):
+                raise
+
+    def _run_cycles(self) -> None:
         fine_timer_slack()  # the settle wait and idle waits are short sleeps
         while not self._stopped:
             # Idle ranks still cycle every cycle_time (peers may be waiting on them); with work,
@@ -278,9 +336,12 @@ class Engine:
             # that cannot wait for its next submission or cycle time.
             if self._should_cycle_now() or self._wait(self._idle_wait()) or self._inbox_pending():
                 if self._drivers:
-                    # A waiting thread is running the cycles; it wakes us when it leaves.
+                    # A waiting thread is running the cycles; it wakes us when it leaves. Clear,
+                    # then look again: a driver that left before the clear is seen leaving here,
+                    # one that leaves after it sets the event this wait returns on.
                     self._wake.clear()
-                    self._wait(self._idle_wait())
+                    if self._drivers:
+                        self._wait(self._idle_wait())
                     continue
                 self._settle()
             with self._cycle_lock:
@@ -293,8 +354,17 @@ class Engine:
                 self._iterate()
 
     def _wait(self, timeout: float) -> bool:
-        self._long_wait = timeout > self.settings.cycle_time_s
+        """Wait up to ``timeout`` for a wake-up; True if woken (or work is already queued).
+
+        A submission wakes a long wait: it queues its requests, then reads ``_long_wait``; this
+        sets ``_long_wait``, then looks at the queues. Whichever runs second sees the other's
+        write, so a submission is never left waiting out a long wait.
+        """
+        long_wait = timeout > self.settings.cycle_time_s
+        self._long_wait = long_wait
         try:
+            if long_wait and self._inbox_pending():
+                return True
             return self._wake.wait(timeout)
         finally:
             self._long_wait = False
@@ -310,15 +380,25 @@ class Engine:
         if threading.current_thread() is self._thread:
             return
         fine_timer_slack()
-        with self._lock:
-            self._drivers += 1
-        request_module.mark_waiting()  # after counting: the engine thread, seeing it, yields to us
+        counted = False
         try:
+            with self._lock:
+                self._drivers += 1
+                counted = True
+            request_module.mark_waiting()  # after counting: the engine thread, seeing it, yields to us
             first = True
+            since = time.monotonic()
+            report_after = self.settings.stall_warning_s if self.settings.stall_check else 0.0
+            next_report = report_after
             while not handle._finished and not self._stopped:
                 if not first and not self._should_cycle_now():
                     if handle.wait_done(self._idle_wait()):
                         return
+                    if report_after > 0:  # nothing to do but wait: say so now and then
+                        waited = time.monotonic() - since
+                        if waited >= next_report:
+                            self.report_wait(handle, waited)
+                            next_report = waited + report_after
                 first = False
                 if not self._cycle_lock.acquire(timeout=self.settings.cycle_time_s):
                     continue  # the engine thread is mid-cycle; it may finish this handle
@@ -331,10 +411,13 @@ class Engine:
                 finally:
                     self._cycle_lock.release()
         finally:
-            with self._lock:
-                self._drivers -= 1
-            if self._drivers == 0 and self._has_work():
-                self._wake.set()  # hand what is left to the engine thread
+            if counted:
+                with self._lock:
+                    self._drivers -= 1
+                    last = self._drivers == 0
+                if last and self._has_work():
+                    self._wake.set()  # hand what is left to the engine thread
+            self.abandon_if_stopped(handle)  # a stopped engine completes nothing more
 
     def _should_cycle_now(self) -> bool:
         return (self._progress and self._has_work()) or self._stop_requested or self._inbox_pending()
@@ -346,9 +429,8 @@ class Engine:
             if self.timeline is not None:
                 self.timeline.cycle()
             stop = False
-            for set_id in sorted(self._sets):
-                state = self._sets.get(set_id)
-                if state is not None and self._cycle(state):
+            for state in self._states:
+                if state.set_id in self._sets and self._cycle(state):  # (a cycle may remove a set)
                     stop = True
             if stop:
                 self._stop(HorovodInternalError(
@@ -402,11 +484,11 @@ class Engine:
             time.sleep(0)
 
     def _inbox_pending(self) -> bool:
-        return any(not s.inbox.empty() or s.uncached for s in self._sets.values())
+        return any(not s.inbox.empty() or s.uncached for s in self._states)
 
     def _has_work(self) -> bool:
         return self._stop_requested or any(
-            not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting for s in self._sets.values()
+            not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting for s in self._states
         )
 
     def _drain(self, state: SetState, now: float) -> None:
@@ -549,6 +631,10 @@ class Engine:
                 )
                 if request is not None:
                     state.awaiting.pop(request.name)
+                # Every rank is back in step: unnamed collectives count from zero again (before the
+                # join's handle completes, so the caller's next unnamed collective sees it).
+                self._name_counters = {}
+                self._join_epoch += 1
             else:
                 request = state.awaiting.pop(response.name, None)
             items.append(Item(response, request))
@@ -610,6 +696,15 @@ class Engine:
             with self._lock:
                 existed = self._known_sets.pop(set_id, None) is not None
                 removed = self._sets.pop(set_id, None)
+                if removed is not None:
+                    self._states = tuple(self._sets[k] for k in sorted(self._sets))
+                    # Nothing will ever run these: fail them rather than leave their waiters hanging.
+                    self._fail_requests(
+                        list(removed.in_flight.values()),
+                        f"rank {self.global_rank}: process set {set_id} was removed while this "
+                        "collective was pending on it (every member must finish its collectives "
+                        "on a process set before removing it)")
+                    removed.in_flight.clear()
             if removed is not None:
                 removed.comm.close()
             self._finished(state, [item])

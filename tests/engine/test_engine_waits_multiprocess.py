@@ -1,0 +1,91 @@
+"""Every wait on a collective ends: in its result, in an error, or (while it goes on) in a report
+that says what it waits for. Nothing the engine can no longer complete is left waiting (real ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hora
+
+pytestmark = pytest.mark.timeout(120)
+
+#: How long a worker gives a wait that should end at once before calling it hung.
+HUNG_AFTER_S = 20.0
+
+
+def _outcome(handle) -> dict[str, Any]:
+    """Wait on ``handle`` in a daemon thread (driving cycles, as synchronize does); what happened."""
+    box: dict[str, Any] = {"state": "hung"}
+
+    def wait() -> None:
+        try:
+            box["value"] = hora.synchronize(handle)
+            box["state"] = "result"
+        except Exception as exc:  # noqa: BLE001 - the test reads type and message
+            box.update(state="error", type=type(exc).__name__, message=str(exc))
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    thread.join(HUNG_AFTER_S)
+    return dict(box)
+
+
+def _removed_set_job() -> dict[str, Any]:
+    hora.init()
+    r = hora.rank()
+    out: dict[str, Any] = {}
+    ps = hora.add_process_set([0, 1])  # rank 2 is not in it
+    # Rank 0 starts a collective on the set that rank 1 never joins, then both remove the set.
+    handle = hora.allreduce_async(np.ones(2), name="orphan", process_set=ps) if r == 0 else None
+    hora.remove_process_set(ps)
+    if handle is not None:
+        out["orphan"] = _outcome(handle)
+    out["after"] = hora.allreduce(np.full(2, r + 1.0), op=hora.Sum, name="after.removal")
+    hora.shutdown()
+    return out
+
+
+def _reported_wait_job() -> dict[str, Any]:
+    hora.init()
+    r = hora.rank()
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("hora.engine.engine").addHandler(Capture())
+    out: dict[str, Any] = {}
+    if r == 1:
+        # Rank 1 waits on a name rank 0 submits only a few seconds later.
+        out["late"] = hora.allreduce(np.ones(2), op=hora.Sum, name="late")
+    else:
+        threading.Event().wait(4.0)
+        out["late"] = hora.allreduce(np.ones(2), op=hora.Sum, name="late")
+    out["reports"] = [m for m in records if "'late'" in m]
+    hora.shutdown()
+    return out
+
+
+def test_a_collective_pending_on_a_removed_process_set_fails_instead_of_hanging_3ranks():
+    results = hora.run(_removed_set_job, np=3, env={"HORA_STALL_CHECK_TIME_SECONDS": "60"})
+    orphan = results[0]["orphan"]
+    assert orphan["state"] == "error", orphan
+    assert "process set" in orphan["message"] and "removed" in orphan["message"], orphan
+    for r in range(3):
+        assert results[r]["after"].tolist() == [6.0, 6.0]  # the job goes on
+
+
+def test_a_long_wait_reports_on_the_waiting_rank_what_it_waits_for_2ranks():
+    results = hora.run(_reported_wait_job, np=2, env={"HORA_STALL_CHECK_TIME_SECONDS": "1"})
+    for r in range(2):
+        assert results[r]["late"].tolist() == [2.0, 2.0]
+    reports = results[1]["reports"]
+    assert reports, "rank 1 waited 4 s with a 1 s stall time and said nothing"
+    assert any("rank 1" in m and "waited" in m for m in reports), reports
