@@ -157,9 +157,7 @@ def test_horovod_spelling_tensorflow_keras_is_hora_keras():
         assert getattr(callbacks, name) is getattr(hk.callbacks, name), name
 
 
-def test_wrappers_need_init_first():
-    if hora.is_initialized():
-        pytest.skip("another test in this process left hora initialised")
+def test_wrappers_need_init_first(uninitialised):
     import keras
     import tensorflow as tf
 
