@@ -6,7 +6,7 @@ give the same on framework tensors. ``hora.run`` starts a function on several wo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
 from hora.collectives import (
@@ -43,13 +43,15 @@ from hora.errors import HorovodInternalError, HoraError, HostsUpdatedInterrupt
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from hora.runner.api import run as run
 
-def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, np: int = 1,
-        hosts: str | None = None, **options: Any) -> list[Any]:
-    """Run ``func(*args, **kwargs)`` on ``np`` workers and return each rank's result, in rank order.
 
-    See :func:`hora.runner.api.run` for the options.
-    """
-    from hora.runner.api import run as _run
+def __getattr__(name: str) -> Any:
+    # ``hora.run`` is :func:`hora.runner.api.run` itself, loaded on first use: launching needs the
+    # runner, a worker importing hora does not.
+    if name == "run":
+        from hora.runner.api import run
 
-    return _run(func, args=args, kwargs=kwargs, np=np, hosts=hosts, **options)
+        return run
+    raise AttributeError(f"module 'hora' has no attribute {name!r}")

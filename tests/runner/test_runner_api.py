@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -120,3 +124,52 @@ def test_function_runs_on_a_remote_host_world_size_2(fake_ssh, monkeypatch):
     results = hora.run(whoami, args=(10,), np=2, hosts="localhost:1,198.51.100.7:1",
                        network_interface="lo")
     assert results == [(10, 2), (11, 2)]
+
+
+def test_run_is_importable_from_hora_runner_as_in_horovod():
+    from hora.runner import run
+    from hora.runner.api import run as api_run
+
+    assert run is api_run and hora.run is api_run
+    assert list(inspect.signature(hora.run).parameters)[:4] == ["func", "args", "kwargs", "num_proc"]
+    # Importing hora in a worker does not load the launcher.
+    code = "import sys, hora; assert 'hora.runner.api' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_horovod_signature_num_proc_and_positional_order_world_size_2():
+    # horovod.runner.run(func, args, kwargs, num_proc, ...): the same positions and keywords.
+    assert hora.run(whoami, (10,), {"scale": 2}, 2) == [(20, 2), (22, 2)]
+    assert hora.run(whoami, args=(0,), num_proc=2) == [(0, 2), (1, 2)]
+
+
+def test_every_horovod_run_keyword_is_accepted_world_size_2(tmp_path):
+    results = hora.run(
+        whoami, args=(5,), kwargs=None, num_proc=2, min_num_proc=None, max_num_proc=None,
+        slots=None, reset_limit=None, cooldown_range=None, hosts="localhost:2", hostfile=None,
+        start_timeout=30, ssh_port=None, ssh_identity_file=None, disable_cache=True,
+        output_filename=str(tmp_path / "logs"), verbose=None, use_gloo=True, use_mpi=None,
+        mpi_args=None, network_interface=None, executable=sys.executable, np=None, min_np=None,
+        max_np=None,
+    )
+    assert results == [(5, 2), (6, 2)]
+    assert (tmp_path / "logs" / "rank.0" / "stdout").exists()
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"min_num_proc": 1}, "min_num_proc: elastic training is not built yet"),
+    ({"min_np": 1}, "min_np: elastic training is not built yet"),
+    ({"max_num_proc": 4}, "max_num_proc: elastic training is not built yet"),
+    ({"max_np": 4}, "max_np: elastic training is not built yet"),
+    ({"slots": 2}, "slots: elastic training is not built yet"),
+    ({"reset_limit": 1}, "reset_limit: elastic training is not built yet"),
+    ({"cooldown_range": (10, 100)}, "cooldown_range: elastic training is not built yet"),
+    ({"use_mpi": True}, "use_mpi: hora has no MPI controller yet"),
+    ({"mpi_args": "--map-by ppr:2:node"}, "mpi_args: hora does not start workers through mpirun"),
+    ({"use_gloo": True, "use_mpi": True}, "use_gloo and use_mpi"),
+    ({"hosts": "localhost:2", "hostfile": "hosts.txt"}, "hosts or hostfile, not both"),
+    ({"np": 3}, "num_proc=2 and np=3"),
+])
+def test_options_hora_cannot_honour_raise_before_anything_starts(options, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        hora.run(whoami, args=(0,), num_proc=2, **options)

@@ -1,5 +1,8 @@
 """``hora.run``: run a Python function on N workers (here or over SSH) and collect what each returns.
 
+The signature is ``horovod.runner.run``'s, so ``from hora.runner import run`` (or ``hora.run``)
+replaces Horovod's without touching the call.
+
 The function travels through the job's authenticated rendezvous store, each worker runs
 :mod:`hora.runner.task`, and results come back the same way. A worker that raised makes
 :func:`run` raise *that* exception (same type, with the rank and remote traceback attached), so
@@ -21,6 +24,7 @@ from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
 from hora.runner.job import Job
 from hora.runner.ssh import SshOptions
 from hora.runner.launch import JobOutcome
+from hora.runner.run_args import ELASTIC_NOT_BUILT, NO_MPI_CONTROLLER, NO_MPIRUN, UnsupportedOption
 from hora.runner.task import FUNC_KEY, SYS_PATH_KEY, result_key
 
 logger = logging.getLogger(__name__)
@@ -30,31 +34,52 @@ def run(
     func: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
-    np: int = 1,
+    num_proc: int | None = None,
+    min_num_proc: int | None = None,
+    max_num_proc: int | None = None,
+    slots: int | None = None,
+    reset_limit: int | None = None,
+    cooldown_range: Sequence[int] | None = None,
     hosts: str | None = None,
-    *,
     hostfile: str | None = None,
-    env: Mapping[str, str] | None = None,
     start_timeout: float | None = None,
-    verbose: bool = False,
-    output_filename: str | None = None,
-    executable: str | None = None,
-    kill_grace: float | None = None,
     ssh_port: int | None = None,
     ssh_identity_file: str | None = None,
+    disable_cache: bool | None = None,
+    output_filename: str | None = None,
+    verbose: bool | int | None = None,
+    use_gloo: bool | None = None,
+    use_mpi: bool | None = None,
+    mpi_args: str | None = None,
     network_interface: str | Sequence[str] | None = None,
+    executable: str | None = None,
+    np: int | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    kill_grace: float | None = None,
 ) -> list[Any]:
-    """Run ``func(*args, **kwargs)`` on ``np`` workers; return each rank's result in rank order.
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` workers; return each rank's result in rank order.
 
-    ``hosts`` uses ``-H`` syntax (``"localhost:4"``) and ``hostfile`` a hostfile path; the default
-    is ``localhost:np``. ``env`` adds variables to the workers' environment (inherited from this
-    process), ``start_timeout`` (seconds) bounds how long workers wait for the job to form,
-    ``output_filename`` also writes each rank's output under ``DIR/rank.<N>/``, ``executable`` is
-    the Python that runs the workers (default: this one), ``kill_grace`` the seconds between
-    SIGTERM and SIGKILL when stopping workers (default: the ``kill_grace`` knob). Hosts other than
-    this machine are reached over SSH (``ssh_port``, ``ssh_identity_file``) and must have the same
-    Python and hora; ``network_interface`` (``"eth0"``, ``"eth0,ib0"`` or a list; names or
-    addresses) is what ``hora run --network-interfaces`` takes.
+    The parameters are ``horovod.runner.run``'s, in its order, so a call written for Horovod works
+    unchanged; ``np`` (Horovod's older spelling, and hora's) means ``num_proc``. ``hosts`` uses
+    ``-H`` syntax (``"localhost:4"``) and ``hostfile`` a hostfile path; the default is
+    ``localhost:num_proc``. ``start_timeout`` (seconds) bounds how long workers wait for the job to
+    form, ``output_filename`` also writes each rank's output under ``DIR/rank.<N>/``,
+    ``executable`` is the Python that runs the workers (default: this one), ``verbose`` shows the
+    runner's log. Hosts other than this machine are reached over SSH (``ssh_port``,
+    ``ssh_identity_file``) and must have the same Python and hora; ``network_interface``
+    (``"eth0"``, ``"eth0,ib0"`` or a list; names or addresses) is what ``hora run
+    --network-interfaces`` takes. ``use_gloo`` and ``disable_cache`` are accepted and change
+    nothing (hora's built-in controller is its only one; it caches no start-up checks). What
+    hora does not have yet is refused with a :class:`ConfigError` (a ``ValueError``) before
+    anything starts: the elastic parameters (``min_num_proc``/``min_np``, ``max_num_proc``/
+    ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``), ``use_mpi`` and ``mpi_args``.
+
+    Two keyword-only additions: ``env`` adds variables to the workers' environment (inherited
+    from this process), and ``kill_grace`` is the seconds between SIGTERM and SIGKILL when
+    stopping workers (default: the ``kill_grace`` knob).
 
     The first worker to fail stops the others. Its exception is re-raised here with
     ``exc.hora_rank`` set and the remote traceback in a note (and in ``exc.hora_remote_traceback``);
@@ -63,12 +88,17 @@ def run(
     """
     if not callable(func):
         raise TypeError(f"hora.run needs a callable, got {type(func).__name__}")
+    size = _resolve_num_proc(num_proc, np)
+    _refuse_unsupported(min_num_proc=min_num_proc, min_np=min_np, max_num_proc=max_num_proc,
+                        max_np=max_np, slots=slots, reset_limit=reset_limit,
+                        cooldown_range=cooldown_range, use_gloo=use_gloo, use_mpi=use_mpi,
+                        mpi_args=mpi_args)
     if hosts is not None and hostfile is not None:
         raise ConfigError("hora.run: give hosts or hostfile, not both")
     host_list = (
         parse_hosts(hosts) if hosts is not None
         else parse_hostfile(hostfile) if hostfile is not None
-        else default_hosts(np)
+        else default_hosts(size)
     )
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     extra_env = {str(key): str(value) for key, value in (env or {}).items()}
@@ -79,8 +109,11 @@ def run(
         network_interface = network_interface.split(",")
     interfaces = [name.strip() for name in network_interface or () if name.strip()] or None
 
-    with _verbose_logging(verbose):
-        job = Job(host_list, np, command, extra_env=extra_env, output_dir=output_filename,
+    with _verbose_logging(bool(verbose)):
+        if disable_cache or use_gloo:
+            logger.info("disable_cache and use_gloo change nothing: hora caches no start-up checks, "
+                        "and its built-in controller is its only one")
+        job = Job(host_list, size, command, extra_env=extra_env, output_dir=output_filename,
                   kill_grace=kill_grace, network_interfaces=interfaces,
                   ssh=SshOptions.from_config(port=ssh_port, identity_file=ssh_identity_file))
         with job:
@@ -88,8 +121,32 @@ def run(
             job.store.set(FUNC_KEY, payload)
             outcome = job.run(handle_signals=False)
             blobs = {slot.rank: job.store.try_get(result_key(slot.rank)) for slot in job.slots}
-            hosts = {slot.rank: slot.hostname for slot in job.slots}
-    return _collect(outcome, blobs, hosts)
+            hostnames = {slot.rank: slot.hostname for slot in job.slots}
+    return _collect(outcome, blobs, hostnames)
+
+
+def _resolve_num_proc(num_proc: int | None, np: int | None) -> int:
+    """``num_proc`` (Horovod's name) or ``np`` (its older one, and hora's); 1 when neither is given."""
+    if num_proc is not None and np is not None and num_proc != np:
+        raise ConfigError(f"hora.run: give num_proc or np, not both: num_proc={num_proc} and np={np}")
+    size = num_proc if num_proc is not None else np if np is not None else 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"hora.run: num_proc must be a positive integer, got {size!r}")
+    return size
+
+
+def _refuse_unsupported(**options: Any) -> None:
+    """ConfigError naming the first option that asks for something hora does not have yet."""
+    if options["use_gloo"] and options["use_mpi"]:
+        raise ConfigError("hora.run: use_gloo and use_mpi cannot both be set")
+    for name in ("min_num_proc", "min_np", "max_num_proc", "max_np", "slots", "reset_limit",
+                 "cooldown_range"):
+        if options[name] is not None:
+            raise UnsupportedOption(f"hora.run: {name}: {ELASTIC_NOT_BUILT}")
+    if options["use_mpi"]:
+        raise UnsupportedOption(f"hora.run: use_mpi: {NO_MPI_CONTROLLER}")
+    if options["mpi_args"] is not None:
+        raise UnsupportedOption(f"hora.run: mpi_args: {NO_MPIRUN}")
 
 
 def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapping[int, str]) -> list[Any]:

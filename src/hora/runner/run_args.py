@@ -276,8 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- what hora cannot honour yet -------------------------------------------------------------------
 
-_ELASTIC = ("elastic training is not built yet in hora (a later release adds it); "
-            "start a fixed-size job with -np N")
+# Why hora refuses what it does not have yet; shared with hora.run (:mod:`hora.runner.api`).
+ELASTIC_NOT_BUILT = ("elastic training is not built yet in hora (a later release adds it); "
+                     "start a fixed-size job")
+NO_MPI_CONTROLLER = ("hora has no MPI controller yet; workers always use hora's built-in "
+                     "controller (the one --gloo and use_gloo name)")
+NO_MPIRUN = "hora does not start workers through mpirun, so there is nothing to pass MPI arguments to"
+_ELASTIC = ELASTIC_NOT_BUILT
 _AUTOTUNE_SETTING = ("only used by autotune, which is not built yet in hora; "
                      "set --fusion-threshold-mb and --cycle-time-ms yourself")
 _NO_TIMESTAMPS = ("hora's log lines carry no timestamp; "
@@ -299,12 +304,10 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("reset_limit", None, _ELASTIC),
     ("blacklist_cooldown_range", None, _ELASTIC),
     ("host_discovery_script", None, _ELASTIC),
-    ("use_mpi", True, "hora has no MPI controller yet; leave the flag out and workers use hora's "
-                      "built-in controller (the one --gloo names)"),
+    ("use_mpi", True, NO_MPI_CONTROLLER),
     ("use_jsrun", True, "hora cannot start workers through jsrun (LSF); list the hosts with "
                         "-H or --hostfile and hora starts them itself"),
-    ("mpi_args", None, "hora does not start workers through mpirun, so there is nothing to pass "
-                       "MPI arguments to"),
+    ("mpi_args", None, NO_MPIRUN),
     ("binding_args", None, "process binding is done by mpirun or jsrun, which hora does not use; "
                            "bind inside the command instead (e.g. taskset or numactl)"),
     ("num_nccl_streams", None, "hora has no NCCL support yet (GPU tensors travel through host "
