@@ -44,11 +44,17 @@ class TransportError(HorovodInternalError):
 
 
 class PeerFailureError(TransportError):
-    """A specific peer rank failed; ``failed_rank`` says which (None when unknown)."""
+    """A specific peer rank failed; ``failed_rank`` says which (None when unknown).
 
-    def __init__(self, message: str, failed_rank: int | None = None) -> None:
+    ``timed_out`` is True when the peer was not seen to die but made no progress within the
+    transport timeout: it may be hung, or the rank really at fault may be further upstream, which
+    is why a transport then asks its peers before naming the culprit.
+    """
+
+    def __init__(self, message: str, failed_rank: int | None = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.failed_rank = failed_rank
+        self.timed_out = timed_out
 
 
 class LaunchError(HoraError, RuntimeError):

@@ -66,12 +66,13 @@ def _allreduce_until_failure(comm, count: int, deadline_s: float) -> dict[str, A
     return {"raised": False, "message": f"no error after {iterations} allreduces in {deadline_s:.0f} s"}
 
 
-def _dying_rank_worker(victim: int, how: str, count: int, iterations_before_death: int) -> dict[str, Any]:
+def _dying_rank_worker(victim: int, how: str, count: int, iterations_before_death: int,
+                       transport: str = "tcp") -> dict[str, Any]:
     from hora.transport.world import connect_world
 
     rank = config.get("rank")
     if rank != victim:
-        comm = connect_world("tcp")
+        comm = connect_world(transport)
         try:
             return {"rank": rank, **_allreduce_until_failure(comm, count, SURVIVOR_DEADLINE_S)}
         finally:
@@ -80,7 +81,7 @@ def _dying_rank_worker(victim: int, how: str, count: int, iterations_before_deat
     if pid == 0:  # the child owns the victim's connections and dies in the middle of the loop
         code = 3
         try:
-            comm = connect_world("tcp")
+            comm = connect_world(transport)
             buf = np.ones(count, dtype=np.float32)
             for _ in range(iterations_before_death):
                 comm.allreduce(buf)
@@ -99,13 +100,14 @@ def _names_rank(message: str, rank: int) -> bool:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_dead_peer_fails_every_other_rank(how: str, payload: str) -> None:
+def test_dead_peer_fails_every_other_rank(how: str, payload: str, transport: str) -> None:
     """World size 3: rank 2 dies mid-loop; ranks 0 and 1 raise PeerFailureError naming rank 2."""
     victim = 2
     results = hora.run(
-        _dying_rank_worker, args=(victim, how, PAYLOADS[payload], 20), np=WORLD_SIZE,
+        _dying_rank_worker, args=(victim, how, PAYLOADS[payload], 20, transport), np=WORLD_SIZE,
         env={"HORA_TRANSPORT_TIMEOUT": "30"},
     )
     expected_status = -signal.SIGKILL if how == "sigkill" else 1
@@ -120,11 +122,11 @@ def test_dead_peer_fails_every_other_rank(how: str, payload: str) -> None:
         assert report["seconds_since_last_ok"] < DETECT_LIMIT_S, report
 
 
-def _hung_rank_worker(hung: int, count: int, timeout_s: float) -> dict[str, Any]:
+def _hung_rank_worker(hung: int, count: int, timeout_s: float, transport: str = "tcp") -> dict[str, Any]:
     from hora.transport.world import connect_world
 
     rank = config.get("rank")
-    comm = connect_world("tcp")
+    comm = connect_world(transport)
     store = _store()
     try:
         comm.barrier()
@@ -144,12 +146,14 @@ def _hung_rank_worker(hung: int, count: int, timeout_s: float) -> dict[str, Any]
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("payload", ["small", "ring"])
-def test_hung_peer_times_out_naming_it(payload: str) -> None:
-    """World size 3, HORA_TRANSPORT_TIMEOUT=2: rank 1 never enters; rank 0 raises in ~2-6 s naming it."""
+def test_hung_peer_times_out_naming_it(payload: str, transport: str) -> None:
+    """World size 3, HORA_TRANSPORT_TIMEOUT=2: rank 1 never enters; rank 0 raises after the timeout
+    (plus the time ranks take to agree on whom to blame), naming it."""
     hung, timeout_s = 1, 2.0
     results = hora.run(
-        _hung_rank_worker, args=(hung, PAYLOADS[payload], timeout_s), np=WORLD_SIZE,
+        _hung_rank_worker, args=(hung, PAYLOADS[payload], timeout_s, transport), np=WORLD_SIZE,
         env={"HORA_TRANSPORT_TIMEOUT": str(timeout_s)},
     )
     assert results[hung]["missing"] == [], results[hung]
@@ -162,7 +166,7 @@ def test_hung_peer_times_out_naming_it(payload: str) -> None:
         if report["rank"] == 0:
             assert _names_rank(report["message"], hung), f"rank 0 does not name rank {hung}: {report}"
             assert report["failed_rank"] == hung, report
-            assert timeout_s * 0.9 <= report["seconds_in_collective"] <= timeout_s * 3, report
+            assert timeout_s * 0.9 <= report["seconds_in_collective"] <= timeout_s * 10, report
 
 
 def _stranger_worker(knocker: int, count: int) -> dict[str, Any]:

@@ -123,10 +123,10 @@ class Executor:
         self.members = members  # member index -> rank as hora.rank() numbers them
         self.threshold = threshold
         self.timeline = timeline
-        self.activity = f"{getattr(comm, 'activity', 'RING')}"
+        self.activity = comm.activity
         self._fusion: dict[str, np.ndarray] = {}
-        self._allocate = getattr(comm, "allocate", None)
-        self._staged_min_bytes = int(getattr(comm, "staged_min_bytes", 0))
+        self._allocate = comm.allocate if comm.allocates_own_memory else None
+        self._staged_min_bytes = comm.staged_min_bytes
         #: Called with a bucket's items just before their handles complete (the engine's bookkeeping
         #: must be done by then: a caller may resubmit the same name the moment its handle is done).
         self.before_complete: Callable[[list[Item]], None] = lambda items: None

@@ -67,6 +67,12 @@ def check_counts(counts: Sequence[int], size: int, what: str) -> list[int]:
     return values
 
 
+def check_root(root: int, size: int) -> None:
+    """Reject a root that is not a member index of a communicator of ``size``."""
+    if not 0 <= int(root) < size:
+        raise ValueError(f"root {root} is not a rank of this communicator (size {size})")
+
+
 class Communicator(abc.ABC):
     """Collectives among ``size`` processes; this process is ``rank``.
 
@@ -78,6 +84,34 @@ class Communicator(abc.ABC):
 
     #: Registry name, e.g. "tcp".
     name: str = ""
+
+    # ---- optional capabilities: declared here with their defaults, so callers use them directly ----
+
+    #: Label of this transport's collectives in the timeline (what Horovod shows for its own ring).
+    activity: str = "RING"
+    #: Whether :meth:`allocate` hands out the transport's own memory (a shared-memory segment, say),
+    #: on which collectives skip copying in; False means it returns ordinary memory, so a caller that
+    #: keeps its own buffers gains nothing by asking.
+    allocates_own_memory: bool = False
+    #: Smallest lone buffer worth copying into :meth:`allocate`'s memory before a collective (smaller
+    #: ones are copied by the transport anyway). Meaningful only with ``allocates_own_memory``.
+    staged_min_bytes: int = 0
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` that collectives on this communicator move fastest.
+
+        Every member must call it with the same size at the same point (a transport may need to
+        agree on new memory with its peers). A later call may return the same memory: use one
+        buffer at a time.
+        """
+        return np.empty(nbytes, dtype=np.uint8)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job, for messages (``rank`` is its index in this communicator)."""
+        return self.rank
+
+    # ---- the collectives ------------------------------------------------------------------------
 
     @property
     @abc.abstractmethod

@@ -8,7 +8,8 @@ in this rank's segment (the engine's fusion buffer does: :meth:`allocate`), noth
 Ranks synchronise through counters in their segments: each rank writes only its own, and waits by
 polling the others' (yielding the GIL while it waits). A peer that dies is noticed by its process
 disappearing or its abort flag, within milliseconds. Collectives that gain nothing from shared memory
-(alltoall, object exchange) use the TCP mesh this class inherits.
+(alltoall, object exchange, messages larger than the segment limit) go through a TCP mesh among the
+same ranks, which this communicator holds; the mesh and the segments share one failure record.
 """
 
 from __future__ import annotations
@@ -16,16 +17,26 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
 from hora import config
 from hora.errors import PeerFailureError
-from hora.transport.base import ReduceOp, TransportUnavailable, check_buffer, check_counts
+from hora.rendezvous.client import RendezvousClient
+from hora.transport.base import (
+    Communicator,
+    ReduceOp,
+    TransportUnavailable,
+    check_buffer,
+    check_counts,
+    check_root,
+)
+from hora.transport.guard import CollectiveGuard
+from hora.transport.layout import count_offsets, split_offsets
 from hora.transport.reduce import check_op, reduction_ufunc
 from hora.transport.shm_segment import SMALL_BYTES, Segment
-from hora.transport.tcp import TcpCommunicator, _offsets, _split
+from hora.transport.tcp import TcpCommunicator
 from hora.transport.tcp_mesh import local_machine_id
 from hora.transport.timer_slack import fine_timer_slack
 
@@ -37,31 +48,83 @@ _YIELD_FOR_S = 0.0002
 _MAX_NAP_S = 0.001
 _LIVENESS_EVERY_S = 0.05
 
+_T = TypeVar("_T")
 
-class ShmCommunicator(TcpCommunicator):
+
+class ShmCommunicator(Communicator):
     """Collectives through shared memory among ranks of one host."""
 
     name = "shm"
     activity = "SHM"
+    allocates_own_memory = True
     #: Buffers at least this large gain from living in :meth:`allocate`'s memory (smaller ones
     #: travel through the small-message slots, which copy anyway).
     staged_min_bytes = SMALL_BYTES + 1
 
-    def __init__(self, rank, members, store, scope, secret, timeout=None, listen_host=None) -> None:
-        super().__init__(rank, members, store, scope, secret, timeout=timeout, listen_host=listen_host)
-        machines = self.allgather_object(local_machine_id())
+    def __init__(
+        self,
+        rank: int,
+        members: Sequence[int],
+        store: RendezvousClient,
+        scope: str,
+        secret: str | bytes,
+        timeout: float | None = None,
+        listen_host: str | None = None,
+    ) -> None:
+        self._segments: list[Segment] = []
+        # Same scope as this communicator: a failure seen on either is one record for every rank.
+        self._mesh = TcpCommunicator(rank, members, store, scope, secret, timeout=timeout, listen_host=listen_host)
+        self._members = [int(m) for m in members]
+        self._rank = rank
+        self._store = store
+        self._scope = scope
+        self.timeout = self._mesh.timeout
+        self._guard = CollectiveGuard(store, scope, self._members, rank, self.timeout, cut=self._cut)
+        machines = self._mesh.allgather_object(local_machine_id())
         if len(set(machines)) != 1 or not machines[0]:
             self.close()
             raise TransportUnavailable(
                 f"rank {self.global_rank}: the shared-memory transport needs every rank on one host; "
                 "use the tcp transport (or hierarchical allreduce) across hosts"
             )
-        self._pids = self.allgather_object(os.getpid())
+        self._pids = self._mesh.allgather_object(os.getpid())
         self._max_bytes = int(config.get("shm_segment_bytes"))
-        self._segments: list[Segment] = []
         self._generation = 0
         self._epoch = 0
         self._ensure(1 << 20)
+
+    # ---- identity and failure -----------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self._members)
+
+    @property
+    def global_rank(self) -> int:
+        return self._members[self._rank]
+
+    def _check_open(self, what: str) -> None:
+        if self._guard.closed:
+            self._guard.check_open(what)
+
+    def _cut(self) -> None:
+        """After a failure: tell peers polling this rank's segment, and shut the mesh's sockets."""
+        if self._segments:
+            self._own.ctrl[_ABORT] = 1
+        self._mesh.shutdown_connections()
+
+    def _via_mesh(self, what: str, call: Callable[..., _T], *args: Any) -> _T:
+        """Run a collective on the TCP mesh; a failure there breaks this communicator too."""
+        self._guard.check_usable(what)
+        try:
+            return call(*args)
+        except PeerFailureError as exc:
+            self._guard.adopt(exc)
+            raise
 
     # ---- segments -----------------------------------------------------------------------------
 
@@ -89,7 +152,11 @@ class ShmCommunicator(TcpCommunicator):
             mine, entry = None, "unavailable"
         try:
             self._store.set(f"{prefix}/path/{self.global_rank}", entry.encode())
-            entries = [self._store.get(f"{prefix}/path/{m}", self.timeout).decode() for m in self._members]
+            keys = [f"{prefix}/path/{m}" for m in self._members]
+            missing = self._store.wait(keys, self.timeout)
+            if missing:
+                raise self._no_progress(missing, "publish its shared memory")
+            entries = [self._store.get(key, self.timeout).decode() for key in keys]
             if "unavailable" in entries:
                 if mine is not None:
                     mine.close()
@@ -104,7 +171,7 @@ class ShmCommunicator(TcpCommunicator):
             self._store.set(f"{prefix}/attached/{self.global_rank}", b"1")
             missing = self._store.wait([f"{prefix}/attached/{m}" for m in self._members], self.timeout)
             if missing:
-                raise PeerFailureError(f"rank {self.global_rank}: ranks never mapped the shared memory: {missing}")
+                raise self._no_progress(missing, "map the shared memory")
         finally:
             if mine is not None:
                 mine.unlink()  # every peer has mapped it (or the job is failing): leave nothing in /dev/shm
@@ -114,14 +181,23 @@ class ShmCommunicator(TcpCommunicator):
         self._epoch = 0
         return want >= nbytes
 
+    def _no_progress(self, missing_keys: list[str], what: str) -> PeerFailureError:
+        """The failure to raise when ranks (their store keys end in the rank) did not ``what`` in time:
+        a timeout, so the guard works out which rank is really hung before it names one."""
+        ranks = sorted(int(key.rsplit("/", 1)[1]) for key in missing_keys)
+        return PeerFailureError(
+            f"no progress from rank {ranks[0]} for {self.timeout:.0f} s: it did not {what} "
+            f"(ranks {ranks} missing; they may be hung or stuck outside the collective; "
+            "see HORA_TRANSPORT_TIMEOUT)", ranks[0], timed_out=True)
+
     def allocate(self, nbytes: int) -> np.ndarray:
         """A byte buffer in this rank's segment (collective), so allreduce on it copies nothing in.
 
         Every call may return the same memory: use one buffer at a time. Falls back to ordinary
         memory when the request exceeds the segment limit.
         """
-        with self._lock:
-            self._check_open("allocate")
+        self._check_open("allocate")
+        with self._guard("allocate"):
             if self.size > 1 and self._ensure(nbytes):
                 return self._own.data[:nbytes]
         return np.empty(nbytes, dtype=np.uint8)
@@ -165,12 +241,10 @@ class ShmCommunicator(TcpCommunicator):
                     next_liveness = now + _LIVENESS_EVERY_S
                     self._check_alive(member)
                     if now >= deadline:
-                        error = PeerFailureError(
+                        raise PeerFailureError(
                             f"no progress from rank {self._members[member]} for {self.timeout:.0f} s "
                             "(it may be hung or stuck outside the collective; see HORA_TRANSPORT_TIMEOUT)",
-                            self._members[member])
-                        error.timed_out = True
-                        raise error
+                            self._members[member], timed_out=True)
 
     def _check_alive(self, member: int) -> None:
         try:
@@ -184,11 +258,6 @@ class ShmCommunicator(TcpCommunicator):
     def _sync(self, offset: int = 0) -> None:
         self._arrive(offset)
         self._wait_all()
-
-    def _fail(self, what: str, reason: str, failed_rank: int | None) -> None:
-        if self._segments:
-            self._own.ctrl[_ABORT] = 1
-        super()._fail(what, reason, failed_rank)
 
     def _peer_view(self, member: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
         segment = self._segments[member]
@@ -204,7 +273,7 @@ class ShmCommunicator(TcpCommunicator):
         if self.size == 1 or buf.size == 0:
             return
         flat = buf.reshape(-1)
-        with self._collective("allreduce", flat.dtype):
+        with self._guard("allreduce", flat.dtype):
             if flat.nbytes <= SMALL_BYTES:
                 self._allreduce_small(flat, op)
                 return
@@ -246,7 +315,7 @@ class ShmCommunicator(TcpCommunicator):
         """
         ufunc = reduction_ufunc(op, staged.dtype)
         count, nbytes = staged.size, staged.nbytes
-        bounds = _split(count, self.size)
+        bounds = split_offsets(count, self.size)
         self._sync(offset)  # everyone's input is in place
         views = [staged if m == self._rank else self._peer_view(m, nbytes, staged.dtype) for m in range(self.size)]
         lo, hi = bounds[self._rank], bounds[self._rank + 1]
@@ -266,11 +335,11 @@ class ShmCommunicator(TcpCommunicator):
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._check_open("broadcast")
         check_buffer(buf)
-        self._check_root(root)
+        check_root(root, self.size)
         if self.size == 1 or buf.size == 0:
             return
         flat = buf.reshape(-1).view(np.uint8)
-        with self._collective("broadcast"):
+        with self._guard("broadcast"):
             fits = self._ensure(flat.nbytes)
             step = flat.nbytes if fits else self._own.capacity
             for lo in range(0, flat.nbytes, step):
@@ -289,12 +358,12 @@ class ShmCommunicator(TcpCommunicator):
         counts = check_counts(counts, self.size, "counts")
         isz = send.itemsize
         if max(counts) * isz > self._max_bytes or self.size == 1:
-            return super().allgather(send, recv, counts)
+            return self._via_mesh("allgather", self._mesh.allgather, send, recv, counts)
         if recv.dtype != send.dtype or send.size != counts[self._rank] or recv.size != sum(counts):
-            return super().allgather(send, recv, counts)  # the parent's checks raise the right error
-        offsets = _offsets(counts)
+            return self._mesh.allgather(send, recv, counts)  # its checks raise the right error
+        offsets = count_offsets(counts)
         rflat = recv.reshape(-1)
-        with self._collective("allgather"):
+        with self._guard("allgather"):
             self._ensure(max(counts) * isz)
             mine = send.reshape(-1)
             self._own.data[: mine.nbytes].view(send.dtype)[...] = mine
@@ -311,13 +380,13 @@ class ShmCommunicator(TcpCommunicator):
         check_buffer(recv, "receive buffer")
         check_op(op, send.dtype)
         counts = check_counts(counts, self.size, "counts")
-        offsets = _offsets(counts)
+        offsets = count_offsets(counts)
         if (self.size == 1 or send.nbytes > self._max_bytes or recv.dtype != send.dtype
                 or send.size != offsets[-1] or recv.size != counts[self._rank]):
-            return super().reducescatter(send, recv, counts, op)
+            return self._via_mesh("reducescatter", self._mesh.reducescatter, send, recv, counts, op)
         ufunc = reduction_ufunc(op, send.dtype)
         sflat, rflat = send.reshape(-1), recv.reshape(-1)
-        with self._collective("reducescatter", send.dtype):
+        with self._guard("reducescatter", send.dtype):
             self._ensure(send.nbytes)
             staged = self._own.data[: sflat.nbytes].view(sflat.dtype)
             staged[...] = sflat
@@ -333,11 +402,25 @@ class ShmCommunicator(TcpCommunicator):
         self._check_open("barrier")
         if self.size == 1:
             return
-        with self._collective("barrier"):
+        with self._guard("barrier"):
             self._sync(0)
 
+    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                 recv_counts: Sequence[int]) -> None:
+        self._check_open("alltoall")
+        self._via_mesh("alltoall", self._mesh.alltoall, send, send_counts, recv, recv_counts)
+
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        self._check_open("gather_object")
+        return self._via_mesh("gather_object", self._mesh.gather_object, obj, root)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        self._check_open("broadcast_object")
+        return self._via_mesh("broadcast_object", self._mesh.broadcast_object, obj, root)
+
     def close(self) -> None:
-        for segment in getattr(self, "_segments", []):
+        self._guard.closed = True
+        for segment in self._segments:
             segment.close()
         self._segments = []
-        super().close()
+        self._mesh.close()

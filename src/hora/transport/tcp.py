@@ -9,18 +9,16 @@ a fixed rank, so all ranks finish with bit-identical results.
 Failure: a peer that exits shows up as EOF or a reset at once; a peer that hangs shows up as no
 progress for ``transport_timeout`` seconds. Either way this rank records the failure in the
 rendezvous store (so other ranks can name the root cause, not just their neighbour), shuts its
-sockets (so ranks blocked on it fail at once too) and raises :class:`PeerFailureError`.
+sockets (so ranks blocked on it fail at once too) and raises :class:`PeerFailureError` (see
+:mod:`hora.transport.guard`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
 import socket
 import struct
-import threading
-import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -29,7 +27,11 @@ from hora import config
 from hora.errors import PeerFailureError, TransportError
 from hora.rendezvous.auth import secret_bytes
 from hora.rendezvous.client import RendezvousClient
-from hora.transport.base import Communicator, ReduceOp, check_buffer, check_counts
+from hora.transport.base import Communicator, ReduceOp, check_buffer, check_counts, check_root
+from hora.transport.guard import CollectiveGuard
+from hora.transport.layout import bytes_of as _bytes_of
+from hora.transport.layout import count_offsets as _offsets
+from hora.transport.layout import split_offsets as _split
 from hora.transport.reduce import check_op, reduction_ufunc
 from hora.transport.sender import AsyncSender
 from hora.transport.tcp_mesh import connect_mesh, route_address
@@ -39,27 +41,6 @@ logger = logging.getLogger(__name__)
 _LEN = struct.Struct("!Q")
 _TIMEVAL = struct.Struct("ll")
 DIRECT_MAX_PEERS = 8
-
-
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    """A flat byte view of a contiguous array (bfloat16 included), for the socket calls."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
-
-
-def _split(count: int, parts: int) -> list[int]:
-    """Element offsets cutting ``count`` into ``parts`` near-equal segments (len parts + 1)."""
-    base, extra = divmod(count, parts)
-    offsets = [0]
-    for i in range(parts):
-        offsets.append(offsets[-1] + base + (1 if i < extra else 0))
-    return offsets
-
-
-def _offsets(counts: Sequence[int]) -> list[int]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
 
 
 class TcpCommunicator(Communicator):
@@ -107,9 +88,10 @@ class TcpCommunicator(Communicator):
             default=0,
         ) // 4
         self._sender = AsyncSender(name=f"hora-send-{self.global_rank}")
-        self._broken: PeerFailureError | None = None
-        self._closed = False
-        self._lock = threading.Lock()
+        # The guard every collective runs in: one collective at a time, refused once failed, and any
+        # failure inside recorded for the peers and raised with its root cause.
+        self._guard = CollectiveGuard(store, scope, self._members, rank, self.timeout,
+                                      cut=self.shutdown_connections, flush=self._sender.flush)
 
     # ---- identity -----------------------------------------------------------------------------
 
@@ -136,83 +118,17 @@ class TcpCommunicator(Communicator):
     # ---- failure handling ---------------------------------------------------------------------
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise TransportError(f"rank {self.global_rank}: {what} on a closed communicator")
+        if self._guard.closed:
+            self._guard.check_open(what)
 
-    def _collective(self, what: str, reduces: np.dtype | None = None) -> _CollectiveScope:
-        """The guard every collective runs in: one collective at a time per communicator, refused on
-        a failed one, and any failure inside recorded for the peers and raised with its root cause.
-
-        ``reduces`` is the dtype the collective computes on, if any: floating-point overflow to inf
-        is then the defined result, not a warning (integer reductions never warn, so they skip the
-        cost of changing NumPy's error state; this runs on every engine cycle).
-        """
-        return _CollectiveScope(self, what, reduces is not None and reduces.kind not in "iub")
-
-    def _collective_failed(self, what: str, exc: BaseException) -> None:
-        """Turn an exception that escaped a collective into the recorded, raised failure."""
-        if isinstance(exc, PeerFailureError):
-            reason, failed = str(exc), exc.failed_rank
-            if getattr(exc, "timed_out", False) and failed is not None:
-                root = self._hang_root(failed)
-                if root != failed:
-                    reason = (
-                        f"rank {root} made no progress for {self.timeout:.0f} s (it may be hung or stuck "
-                        f"outside the collective; ranks downstream of it, such as rank {failed}, waited too)"
-                    )
-                    failed = root
-            self._fail(what, reason, failed)
-        elif isinstance(exc, (OSError, TimeoutError)):
-            self._fail(what, f"a send failed ({exc})", None)
-
-    def _fail(self, what: str, reason: str, failed_rank: int | None) -> None:
-        """Record the failure for the other ranks, cut every connection, raise with the root cause."""
-        mine = {"detected_by": self.global_rank, "failed_rank": failed_rank, "reason": reason}
-        root = mine
-        try:
-            won = self._store.set_if_absent(f"{self._scope}/abort", json.dumps(mine).encode())
-            root = json.loads(won)
-        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
-            pass
+    def shutdown_connections(self) -> None:
+        """Shut every peer connection (idempotent): peers blocked on this rank fail at once, and
+        this communicator's later collectives fail instead of waiting."""
         for sock in self._peers.values():
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if root is mine or root.get("detected_by") == self.global_rank:
-            message = f"rank {self.global_rank}: {what} failed: {reason}"
-        else:
-            message = (
-                f"rank {self.global_rank}: {what} failed because rank {root['detected_by']} "
-                f"reported: {root['reason']}"
-            )
-            failed_rank = root.get("failed_rank")
-        self._broken = PeerFailureError(message, failed_rank)
-        raise self._broken
-
-    def _hang_root(self, suspect: int) -> int:
-        """Which rank is really hung, when this rank timed out waiting on ``suspect``.
-
-        Every rank stalled behind a hung one times out at about the same moment and blames its own
-        silent neighbour. Each publishes whom it waited on; the hung rank is the one blamed that does
-        not itself report.
-        """
-        prefix = f"{self._scope}/stalled/"
-        try:
-            self._store.set(prefix + str(self.global_rank), str(suspect).encode())
-            deadline = time.monotonic() + min(2.0, self.timeout)
-            while True:
-                reports = {}
-                for key in self._store.keys(prefix):
-                    value = self._store.try_get(key)
-                    if value is not None:
-                        reports[int(key.rsplit("/", 1)[1])] = int(value)
-                silent = sorted({s for s in reports.values() if s not in reports})
-                if len(reports) >= self.size - 1 or time.monotonic() >= deadline:
-                    return silent[0] if len(silent) == 1 else suspect
-                time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
-            return suspect
 
     def _recv_into(self, peer: int, view: memoryview) -> None:
         sock = self._peers[peer]
@@ -222,13 +138,12 @@ class TcpCommunicator(Communicator):
             try:
                 n = sock.recv_into(view[got:], need - got, socket.MSG_WAITALL)
             except (BlockingIOError, TimeoutError):
-                error = PeerFailureError(
+                raise PeerFailureError(
                     f"no data from rank {self._members[peer]} for {self.timeout:.0f} s "
                     "(it may be hung or stuck outside the collective; see HORA_TRANSPORT_TIMEOUT)",
                     self._members[peer],
-                )
-                error.timed_out = True
-                raise error from None
+                    timed_out=True,
+                ) from None
             except OSError as exc:
                 raise PeerFailureError(
                     f"connection to rank {self._members[peer]} broke ({exc}); it probably died",
@@ -273,7 +188,7 @@ class TcpCommunicator(Communicator):
         if self.size == 1 or buf.size == 0:
             return
         flat = buf.reshape(-1)
-        with self._collective("allreduce", flat.dtype):
+        with self._guard("allreduce", flat.dtype):
             if self._use_direct(flat.nbytes):
                 self._allreduce_direct(flat, op)
             else:
@@ -380,7 +295,7 @@ class TcpCommunicator(Communicator):
         flat[offsets[self._rank] : offsets[self._rank + 1]] = send.reshape(-1)
         if self.size == 1 or flat.size == 0:
             return
-        with self._collective("allgather"):
+        with self._guard("allgather"):
             if self._use_direct(flat.nbytes):
                 data = _bytes_of(flat)
                 isz = flat.itemsize
@@ -397,11 +312,11 @@ class TcpCommunicator(Communicator):
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self._check_open("broadcast")
         check_buffer(buf)
-        self._check_root(root)
+        check_root(root, self.size)
         if self.size == 1 or buf.size == 0:
             return
         data = _bytes_of(buf)
-        with self._collective("broadcast"):
+        with self._guard("broadcast"):
             if self._use_direct(buf.nbytes):
                 if self._rank == root:
                     for peer in range(self.size):
@@ -420,10 +335,6 @@ class TcpCommunicator(Communicator):
                     self._recv_into(prv, view)
                 if forward:
                     self._sender.send(self._peers[nxt], view)
-
-    def _check_root(self, root: int) -> None:
-        if not 0 <= int(root) < self.size:
-            raise ValueError(f"root {root} is not a rank of this communicator (size {self.size})")
 
     # ---- alltoall -----------------------------------------------------------------------------
 
@@ -457,7 +368,7 @@ class TcpCommunicator(Communicator):
             return
         isz = send.itemsize
         sdata, rdata = _bytes_of(sflat), _bytes_of(rflat)
-        with self._collective("alltoall"):
+        with self._guard("alltoall"):
             # Step k: send to rank+k, receive from rank-k; the global step order prevents deadlock.
             for peer in self._ring_order():
                 self._sender.send(self._peers[peer], sdata[soff[peer] * isz : soff[peer + 1] * isz])
@@ -489,7 +400,7 @@ class TcpCommunicator(Communicator):
         if self.size == 1:
             rflat[...] = sflat[lo:hi]
             return
-        with self._collective("reducescatter", send.dtype):
+        with self._guard("reducescatter", send.dtype):
             if self._use_direct(send.nbytes):
                 self._reducescatter_direct(sflat, rflat, offsets, op)
             else:
@@ -535,10 +446,10 @@ class TcpCommunicator(Communicator):
 
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         self._check_open("gather_object")
-        self._check_root(root)
+        check_root(root, self.size)
         if self.size == 1:
             return [obj]
-        with self._collective("gather_object"):
+        with self._guard("gather_object"):
             if self._rank != root:
                 self._send_object(root, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
                 return None
@@ -551,10 +462,10 @@ class TcpCommunicator(Communicator):
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         self._check_open("broadcast_object")
-        self._check_root(root)
+        check_root(root, self.size)
         if self.size == 1:
             return obj
-        with self._collective("broadcast_object"):
+        with self._guard("broadcast_object"):
             if self._rank == root:
                 payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
                 for peer in range(self.size):
@@ -564,61 +475,12 @@ class TcpCommunicator(Communicator):
             return self._recv_object(root)
 
     def close(self) -> None:
-        if self._closed:
+        if self._guard.closed:
             return
-        self._closed = True
+        self._guard.closed = True
         self._sender.close()
+        self.shutdown_connections()
         for sock in self._peers.values():
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
         self._peers.clear()
 
-
-class _CollectiveScope:
-    """``with comm._collective(what):`` as a plain object: a generator-based context manager costs
-    about a microsecond more per collective, and small collectives run every engine cycle."""
-
-    __slots__ = ("_comm", "_what", "_quiet", "_errstate")
-
-    def __init__(self, comm: TcpCommunicator, what: str, quiet_fp: bool) -> None:
-        self._comm = comm
-        self._what = what
-        self._quiet = quiet_fp
-        self._errstate: Any = None
-
-    def __enter__(self) -> None:
-        comm = self._comm
-        comm._lock.acquire()
-        try:
-            comm._check_open(self._what)
-            if comm._broken is not None:
-                raise PeerFailureError(
-                    f"rank {comm.global_rank}: {self._what} on a communicator that already failed: "
-                    f"{comm._broken}",
-                    comm._broken.failed_rank,
-                )
-            if self._quiet:
-                self._errstate = np.errstate(over="ignore", invalid="ignore")
-                self._errstate.__enter__()
-        except BaseException:
-            comm._lock.release()
-            raise
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        comm = self._comm
-        try:
-            if self._errstate is not None:
-                self._errstate.__exit__(exc_type, exc, tb)
-            if exc is None:
-                try:
-                    comm._sender.flush(comm.timeout)
-                except (OSError, TimeoutError) as flush_error:
-                    comm._collective_failed(self._what, flush_error)
-            else:
-                comm._collective_failed(self._what, exc)  # raises for transport failures
-            return False
-        finally:
-            comm._lock.release()
