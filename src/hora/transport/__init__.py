@@ -1,7 +1,10 @@
 """Collectives on contiguous buffers between a fixed set of processes.
 
-``TRANSPORTS`` is the registry: a new transport is a module with a :class:`Communicator` subclass and
-one line here (and is then picked up by the conformance suite in tests/transport/).
+``TRANSPORTS`` is the registry: a new transport is a module with a :class:`Communicator` subclass
+(or a factory that builds one from the same arguments) and one line here, and is then picked up by
+the conformance suite in tests/transport/. Every factory takes ``(rank, members, store, scope,
+secret, **options)``: this process's index in ``members`` (global ranks), the rendezvous store the
+members find each other through, a scope unique to this communicator, and the job secret.
 """
 
 from __future__ import annotations

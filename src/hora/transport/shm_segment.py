@@ -1,8 +1,9 @@
 """Shared-memory segments in /dev/shm: one per rank, mapped by every rank of the host.
 
 Each segment is a small control block (int64 counters this rank alone writes), two alternating
-slots for small messages, and a data area. Files are created with mode 0600 under random names and unlinked as soon as every peer has
-mapped them, so nothing is left in /dev/shm even if every process is killed.
+slots for small messages, and a data area. Files are created with mode 0600 under random names and
+unlinked as soon as every peer has mapped them: once a communicator is formed, nothing is left in
+/dev/shm even if every process is killed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import numpy as np
 
 SHM_DIR = "/dev/shm"
 CTRL_WORDS = 16  # [0] barrier epoch, [1] abort flag, [2] data offset, rest reserved
-CTRL_BYTES = CTRL_WORDS * 8
 SMALL_BYTES = 64 * 1024  # each of the two alternating slots for small messages
 ALIGN = 4096
 HEADER_BYTES = ALIGN + 2 * SMALL_BYTES
@@ -74,8 +74,8 @@ class Segment:
         return base <= start and start + array.nbytes <= base + self.capacity
 
     def offset_of(self, array: np.ndarray) -> int:
+        """Byte offset of ``array`` (which :meth:`owns` accepted) from the start of the data area."""
         return array.ctypes.data - self._base
-
 
     def close(self) -> None:
         self.ctrl = None  # type: ignore[assignment]

@@ -1,11 +1,13 @@
 """Form the communicator of a job: the right transport for where its ranks actually run.
 
-Ranks publish which machine they are on (kernel boot id and network namespace) through the
-rendezvous store; from that every rank derives the same topology (local and cross ranks are facts
-about the connections, not just what the launcher said) and builds:
+Ranks publish which machine they are on through the rendezvous store (see
+:mod:`hora.transport.topology`); from that every rank derives the same topology (local and cross
+ranks are facts about the connections, not just what the launcher said) and builds:
 - all ranks on one host: shared memory;
 - several hosts: the TCP ring, or hierarchical allreduce (shared memory inside each host, TCP across)
-  when the knob asks for it or, unset, when every host runs the same number (> 1) of ranks.
+  when the knob asks for it (hosts may run different numbers of ranks) or, unset, when every host
+  runs the same number (> 1) of ranks.
+Process sets get the same choice for their own ranks (:func:`connect_group`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from hora.transport.hierarchical import HierarchicalCommunicator
 from hora.transport.topology import Topology, exchange_topology
 
 _generation = itertools.count()
-
-_REQUIRED = ("rank", "size", "rendezvous_addr", "rendezvous_port", "secret")
 
 
 def _want_hierarchical(topology: Topology) -> bool:
@@ -43,6 +43,14 @@ def form_world(rank: int, members: list[int], store: RendezvousClient, scope: st
     """
     timeout = float(config.get("start_timeout"))
     topology = exchange_topology(rank, members, store, scope, timeout, machine)
+    return connect_group(rank, members, store, scope, secret, topology), topology
+
+
+def connect_group(rank: int, members: list[int], store: RendezvousClient, scope: str,
+                  secret: str | bytes, topology: Topology) -> Communicator:
+    """The communicator of ``members`` whose hosts ``topology`` already gives (indexed like
+    ``members``): the transport :func:`form_world` would choose for them. Process sets use it, so a
+    set gets the same transport a world of its ranks would."""
     choice = str(config.get("transport")).lower()
     if choice not in ("auto", "tcp", "shm"):
         raise HoraError(f"HORA_TRANSPORT={choice!r} is not a transport; use auto, tcp or shm")
@@ -51,12 +59,12 @@ def form_world(rank: int, members: list[int], store: RendezvousClient, scope: st
         raise TransportUnavailable("HORA_TRANSPORT=shm needs every rank on one host; this job spans "
                                    f"{len(topology.hosts())} hosts")
     if choice == "tcp" or len(members) == 1:
-        return create_communicator("tcp", rank, members, store, scope, secret), topology
+        return create_communicator("tcp", rank, members, store, scope, secret)
     if single_host:
-        return create_communicator("shm", rank, members, store, scope, secret), topology
+        return create_communicator("shm", rank, members, store, scope, secret)
     if not _want_hierarchical(topology):
-        return create_communicator("tcp", rank, members, store, scope, secret), topology
-    return HierarchicalCommunicator.connect(rank, members, store, scope, secret, topology=topology), topology
+        return create_communicator("tcp", rank, members, store, scope, secret)
+    return HierarchicalCommunicator.connect(rank, members, store, scope, secret, topology=topology)
 
 
 def connect_world(transport: str | None = None, store: RendezvousClient | None = None,
@@ -67,20 +75,14 @@ def connect_world(transport: str | None = None, store: RendezvousClient | None =
     ``machine`` emulates this rank's host identity (see :func:`form_world`).
     Every rank must call it the same number of times: each call forms a new, separate group.
     """
-    missing = [config.knob(name).env for name in _REQUIRED if config.get(name) is None]
-    if missing:
-        raise HoraError(
-            f"this process was not started by hora: {', '.join(missing)} not set; "
-            "start workers with `hora run -np N ...` or hora.run(...)"
-        )
-    rank, size = config.get("rank"), config.get("size")
-    if not 0 <= rank < size:
-        raise HoraError(f"HORA_RANK={rank} is outside a job of HORA_SIZE={size}")
-    secret = config.get("secret")
+    from hora.runner.identity import from_environment  # the one reader of a worker's identity
+
+    me = from_environment()  # names every missing variable, refuses rank >= size
+    rank, size, secret = me.rank, me.size, me.secret
     if store is None:
-        store = RendezvousClient(config.get("rendezvous_addr"), config.get("rendezvous_port"), secret,
+        store = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, secret,
                                  connect_timeout=config.get("start_timeout"))
-    scope = f"{config.get('job_id') or 'job'}/world/{next(_generation)}"
+    scope = f"{me.job_id}/world/{next(_generation)}"
     members = list(range(size))
     if transport is None:
         return form_world(rank, members, store, scope, secret, machine)[0]
