@@ -252,3 +252,12 @@ def test_config_file_without_pyyaml_says_how_to_get_it(capsys, tmp_path, monkeyp
     path = _config(tmp_path, CONFIG)
     line = _one_error_line(capsys, ["-np", "2", "--config-file", path])
     assert "reading YAML needs PyYAML (pip install pyyaml" in line
+
+
+def test_verbose_says_why_accepted_flags_change_nothing(hora_run):
+    result = hora_run("run", "-np", "1", "--verbose", "--gloo", "--disable-cache",
+                      "--mpi-threads-disable", PY, "-c", "pass")
+    assert result.returncode == 0, result.stderr
+    assert "--gloo: hora's built-in controller, its only one, plays Gloo's part" in result.stderr
+    assert "--disable-cache: hora keeps no cache of its start-up checks" in result.stderr
+    assert "--mpi-threads-disable: hora uses no MPI" in result.stderr

@@ -101,6 +101,9 @@ def test_last_exception_is_read_from_the_ranks_stderr():
              "  | ExceptionGroup: two failed (2 sub-exceptions)\n"
              "  +-+---------------- 1 ----------------\n    | ValueError: one\n")
     assert _last_exception(group) == "ExceptionGroup: two failed (2 sub-exceptions)"
+    coloured = ("\x1b[1;31mTraceback (most recent call last):\x1b[0m\n  File \"d.py\", line 1\n"
+                "\x1b[1;35mKeyError\x1b[0m: \x1b[35m'lr'\x1b[0m\n")  # PYTHON_COLORS=1 on 3.13+
+    assert _last_exception(coloured) == "KeyError: 'lr'"
     assert _last_exception("KeyboardInterrupt\nno traceback here\n") is None
     assert _last_exception("Traceback (most recent call last):\n  frame\nnot an exception line\n") is None
     long_message = "Traceback (most recent call last):\n  f\nValueError: " + "x" * 1000 + "\n"

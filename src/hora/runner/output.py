@@ -39,6 +39,8 @@ _TRACEBACK_HEADER = "Traceback (most recent call last):"
 _GROUP_HEADER = "+ Exception Group Traceback (most recent call last):"
 # ``ValueError``, ``ValueError: message``, ``package.module.Error: message``.
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: .*)?")
+# Colour codes Python 3.13+ puts in tracebacks when told to (PYTHON_COLORS, FORCE_COLOR).
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class TracebackWatcher:
@@ -62,12 +64,14 @@ class TracebackWatcher:
     def feed(self, line: str) -> None:
         """Take one line of stderr (with or without its newline)."""
         if not self._inside:
+            if "\x1b" in line:
+                line = _ANSI_COLOUR.sub("", line)
             if line.startswith(_TRACEBACK_HEADER):
                 self._inside, self._margin = True, ""
             elif line.lstrip(" ").startswith(_GROUP_HEADER):
                 self._inside, self._margin = True, "  | "
             return
-        line = line.rstrip("\r\n")
+        line = _ANSI_COLOUR.sub("", line.rstrip("\r\n"))
         if self._margin and line.startswith(self._margin):
             line = line[len(self._margin):]
         if not line or line[0].isspace():

@@ -358,10 +358,13 @@ def check_supported(args: argparse.Namespace, parser: argparse.ArgumentParser | 
 def notes(args: argparse.Namespace) -> list[str]:
     """Why each accepted no-op option changes nothing (for ``--verbose``)."""
     found = []
+    parser: argparse.ArgumentParser | None = None
+    sources: dict[str, str] = getattr(args, "config_sources", {})
     for dest, value, why in _ALREADY_SO:
         given = getattr(args, dest, None)
         if given is not None and (value is None or given is value):
-            found.append(f"{_flag_name(build_parser(), dest, given)}: {why}")
+            parser = parser or build_parser()
+            found.append(f"{sources.get(dest) or _flag_name(parser, dest, given)}: {why}")
     return found
 
 
