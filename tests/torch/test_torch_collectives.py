@@ -377,6 +377,33 @@ def _job_2ranks() -> list:
     def after_join():
         return hvd.allreduce(torch.full((1,), float(r + 1)), op=hvd.Sum, name="after_join")
 
+    def allgather_while_joined():
+        # Rank 0 joins; rank 1's allgather fails at once (only allreduce works with join), then it joins.
+        if r == 0:
+            return {"join": hvd.join()}
+        try:
+            hvd.allgather(torch.ones(2))
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        return {"error": error, "join": hvd.join()}
+
+    def objects_after_join():
+        # Unnamed collectives pair up again across ranks once everyone has joined.
+        return {"objects": hvd.allgather_object(r), "gathered": hvd.allgather(torch.tensor([r]))}
+
+    def scaled_half():
+        # Horovod scales float16 through float32: factor rounded to float32, product rounded back.
+        factor = 0.1915194503788923
+        torch.manual_seed(1234)
+        t = torch.FloatTensor(8, 8).random_(-100, 100).half() + r
+        group = [t + k for k in range(5)]
+        return {"rs_pre": hvd.reducescatter(t, op=hvd.Sum, prescale_factor=factor),
+                "rs_post": hvd.reducescatter(t, op=hvd.Sum, postscale_factor=factor),
+                "grs_pre": hvd.grouped_reducescatter(group, op=hvd.Sum, prescale_factor=factor),
+                "ar_pre": hvd.allreduce(t, op=hvd.Sum, prescale_factor=factor),
+                "ar_post": hvd.allreduce(t, op=hvd.Average, postscale_factor=factor)}
+
     sections += [
         ("bool.average", bool_average),
         ("inplace", inplace),
@@ -403,8 +430,11 @@ def _job_2ranks() -> list:
         ("grad.grouped_allgather", grad_grouped_allgather),
         ("grad.grouped_reducescatter", grad_grouped_reducescatter),
         # last: rank 0 skips the named collectives inside (see _job_3ranks)
+        ("scaled.half", scaled_half),
         ("join", join),
         ("after_join", after_join),
+        ("allgather_while_joined", allgather_while_joined),
+        ("objects_after_join", objects_after_join),
     ]
     return sections
 
@@ -750,6 +780,39 @@ def test_join_2ranks(ranks2):
     assert got["sum"].tolist() == [4.0, 4.0]
     for r in range(2):
         assert ranks2.get("after_join", r).tolist() == [3.0]  # collectives work again after join
+
+
+def test_allgather_while_a_rank_has_joined_raises_and_the_job_goes_on_2ranks(ranks2):
+    error = ranks2.get("allgather_while_joined", 1)["error"]
+    assert error is not None and "allgather" in error.lower() and "joined" in error, error
+    assert [ranks2.get("allgather_while_joined", r)["join"] for r in range(2)] == [1, 1]
+    for r in range(2):
+        got = ranks2.get("objects_after_join", r)
+        assert got["objects"] == [0, 1] and got["gathered"].tolist() == [0, 1]
+
+
+def _horovod_half_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return (x.float() * torch.tensor(factor, dtype=torch.float64).float()).half()
+
+
+def test_float16_prescale_and_postscale_match_horovod_bit_for_bit_2ranks(ranks2):
+    factor = 0.1915194503788923
+    torch.manual_seed(1234)
+    base = torch.FloatTensor(8, 8).random_(-100, 100).half()
+    inputs = [base + r for r in range(2)]
+
+    def pre_sum(ts):
+        return _horovod_half_scale(ts[0], factor) + _horovod_half_scale(ts[1], factor)
+
+    for r in range(2):
+        got = ranks2.get("scaled.half", r)
+        rows = slice(4 * r, 4 * r + 4)
+        assert torch.equal(got["rs_pre"], pre_sum(inputs)[rows])
+        assert torch.equal(got["rs_post"], _horovod_half_scale(inputs[0] + inputs[1], factor)[rows])
+        for k, g in enumerate(got["grs_pre"]):
+            assert torch.equal(g, pre_sum([t + k for t in inputs])[rows]), k
+        assert torch.equal(got["ar_pre"], pre_sum(inputs))
+        assert torch.equal(got["ar_post"], _horovod_half_scale(inputs[0] + inputs[1], factor / 2))
 
 
 def test_join_3ranks(ranks3):
