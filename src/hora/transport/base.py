@@ -17,15 +17,30 @@ import numpy as np
 from hora.errors import HoraError
 
 
-class ReduceOp(enum.Enum):
-    """Element-wise combination of buffers; Average is the engine's business (Sum, then scale)."""
+class ReduceOp(enum.IntEnum):
+    """How buffers combine: the one reduce-op type from the API (``hvd.Sum is ReduceOp.SUM``) down to here.
 
-    SUM = "sum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    BAND = "band"  # bitwise and: the engine's response-cache bit vectors
-    BOR = "bor"
+    The values are Horovod's, so scripts that store or compare ``hvd.Average`` and friends as ints
+    keep working. AVERAGE and ADASUM never reach a transport (the engine runs an Average as a Sum
+    plus a postscale of 1/size); transports implement :data:`ELEMENTWISE_OPS`.
+    """
+
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+    BAND = 6  # bitwise and: the engine's response-cache bit vectors
+    BOR = 7
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+#: The ops every transport implements element-wise.
+ELEMENTWISE_OPS: tuple[ReduceOp, ...] = (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT, ReduceOp.BAND,
+                                         ReduceOp.BOR)
 
 
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
