@@ -244,7 +244,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     for existing in _ctx.process_sets.values():
         if existing.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} already exists (id {existing.process_set_id})")
-    handle = submit_control(Kind.PROCESS_SET, f"__process_set.{next(_ctx.op_names)}", op="add", splits=tuple(ps.ranks))
+    handle = engine().add_process_set(ps.ranks, f"__process_set.{next(_ctx.op_names)}")
     ps.process_set_id = int(handle.wait())
     _ctx.process_sets[ps.process_set_id] = ps
     return ps
@@ -254,8 +254,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set (every rank calls it); False if it was not registered."""
     if process_set.process_set_id in (None, 0):
         return False
-    handle = submit_control(Kind.PROCESS_SET, f"__process_set.{next(_ctx.op_names)}", op="remove",
-                            root=process_set.process_set_id)
+    handle = engine().remove_process_set(process_set.process_set_id, f"__process_set.{next(_ctx.op_names)}")
     removed = bool(handle.wait())
     _ctx.process_sets.pop(process_set.process_set_id, None)
     process_set.process_set_id = None

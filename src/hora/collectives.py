@@ -1,25 +1,22 @@
 """Collectives on NumPy arrays: hora's own binding, and the model the framework bindings follow.
 
 Each collective has an ``_async`` form returning a handle at once and a synchronous form that waits.
-Arguments, defaults and errors follow Horovod's API (../shared/API.md).
+Arguments, defaults and errors follow Horovod 0.28.1's public API.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Sequence
 
 import cloudpickle
 import numpy as np
 
 from hora import basics
-from hora.basics import Adasum, Average, Max, Min, Product, ProcessSet, Sum, global_process_set
+from hora.basics import Average, ProcessSet, global_process_set
 from hora.engine.executor import reducescatter_rows
 from hora.engine.request import Handle, Kind, Request, dtype_name, signature
+from hora.horovod_args import check_sum_or_average, resolve_op
 from hora.transport.base import SUPPORTED_DTYPES
-
-_OP_NAMES = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
-_group_ids = itertools.count()
 
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
@@ -37,19 +34,6 @@ def _as_array(tensor: Any, what: str = "tensor") -> np.ndarray:
             f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
     return arr
-
-
-def resolve_op(op: int | None, average: bool | None = None) -> int:
-    """Horovod's rule: ``op=None`` means Average; ``average`` is the deprecated spelling."""
-    if op is not None and average is not None:
-        raise ValueError("give either op or the deprecated average argument, not both")
-    if op is None:
-        return Average if average is None or average else Sum
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
-    if op not in _OP_NAMES:
-        raise ValueError(f"unknown reduce op {op!r}; use hora.Average, Sum, Min, Max or Product")
-    return op
 
 
 def _check_op_dtype(op: int, dtype: np.dtype) -> None:
@@ -87,7 +71,7 @@ def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: 
         _check_op_dtype(op, dtype)
     if name is None:
         name = basics.next_name(Kind.ALLREDUCE.value)
-    sig = signature(Kind.ALLREDUCE, dtype_name(dtype), arr.shape, _OP_NAMES[op], -1, float(prescale_factor),
+    sig = signature(Kind.ALLREDUCE, dtype_name(dtype), arr.shape, op, -1, float(prescale_factor),
                     float(postscale_factor), group, group_size)
     return Request(name, sig, arr, Handle(name), basics.process_set_id(process_set), arr if inplace else None)
 
@@ -267,13 +251,12 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
 def _reducescatter_request(tensor: Any, name: str | None, op: int, process_set: ProcessSet,
                            prescale_factor: float, postscale_factor: float,
                            group: str = "", group_size: int = 0) -> Request:
-    if op not in (Average, Sum):
-        raise ValueError("reducescatter supports op=Average and op=Sum only")
+    op = check_sum_or_average(op, "reducescatter")
     arr = _as_array(tensor)
     if arr.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     _check_op_dtype(op, arr.dtype)
-    return _request(Kind.REDUCESCATTER, name, arr, process_set, op=_OP_NAMES[op],
+    return _request(Kind.REDUCESCATTER, name, arr, process_set, op=op,
                     prescale=float(prescale_factor), postscale=float(postscale_factor),
                     group=group, group_size=group_size)
 

@@ -11,7 +11,7 @@ import pytest
 from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator, Response
 from hora.engine.executor import Item, plan_buckets, reducescatter_rows
-from hora.engine.request import Kind, Signature, signature
+from hora.engine.request import Kind, Signature, process_set_signature, signature
 from hora.engine.timeline import Timeline
 from hora.transport.base import ReduceOp
 
@@ -107,7 +107,22 @@ MISMATCHES = {
     "prescale factors": (ar(prescale=1.0), ar(prescale=2.0), ["1.0", "2.0"]),
     "postscale factors": (ar(postscale=0.5), ar(postscale=0.25), ["0.5", "0.25"]),
     "operations": (ar(), Signature(Kind.BROADCAST, "float32", (4,), root=5), ["ALLREDUCE", "BROADCAST"]),
+    "rank lists": (process_set_signature(ranks=(0, 1)), process_set_signature(ranks=(0, 2)), ["[0, 1]", "[0, 2]"]),
+    "process set ids": (process_set_signature(set_id=3), process_set_signature(set_id=4), ["3", "4"]),
 }
+
+
+def test_process_set_changes_carry_their_own_fields_and_are_never_cached():
+    add = process_set_signature(ranks=(0, 2))
+    remove = process_set_signature(set_id=2)
+    assert (add.kind, add.set_ranks, add.splits, add.op) == (Kind.ADD_PROCESS_SET, (0, 2), (), ReduceOp.SUM)
+    assert (remove.kind, remove.set_id, remove.root) == (Kind.REMOVE_PROCESS_SET, 2, -1)
+    assert add != process_set_signature(ranks=(0, 1)) and remove != process_set_signature(set_id=3)
+    c = Coordinator([0, 1])
+    c.submit(0, [("ps", add)])
+    c.submit(1, [("ps", process_set_signature(ranks=(0, 2)))])
+    [response] = c.ready()
+    assert response.error is None and not response.cacheable and response.fusion_key is None
 
 
 @pytest.mark.parametrize("what", sorted(MISMATCHES))
@@ -347,6 +362,37 @@ def test_reducescatter_rows_give_earlier_ranks_the_remainder():
     assert reducescatter_rows(7, 3) == [3, 2, 2]
     assert reducescatter_rows(2, 3) == [1, 1, 0]
     assert reducescatter_rows(6, 3) == [2, 2, 2]
+
+
+# ---- Scaling ------------------------------------------------------------------------------------
+
+
+def test_float16_scaling_rounds_the_factor_to_float32_not_to_float16():
+    from hora.engine.executor import _scale
+
+    factor = 0.1915194503788923  # its float16 rounding differs from its float32 rounding
+    x = np.arange(-100, 100, dtype=np.float16)
+    got = x.copy()
+    _scale(got, factor)
+    want = (x.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_integer_scaling_is_done_in_float64_and_truncates_toward_zero():
+    from hora.engine.executor import _scale
+
+    x = np.array([-7, -3, 3, 7], dtype=np.int32)
+    _scale(x, 0.5)
+    assert x.tolist() == [-3, -1, 1, 3]
+
+
+def test_average_divides_the_postscale_factor_by_the_number_of_ranks():
+    from hora.engine.executor import _postscale
+
+    # 2.5 / 3 and 2.5 * (1 / 3) differ in the last bit; Horovod divides.
+    sig = signature(Kind.ALLREDUCE, "float64", (2,), ReduceOp.AVERAGE, -1, 1.0, 2.5)
+    assert _postscale(sig, 3) == 2.5 / 3 != 2.5 * (1.0 / 3)
+    assert _postscale(signature(Kind.ALLREDUCE, "float64", (2,), ReduceOp.SUM, -1, 1.0, 2.5), 3) == 2.5
 
 
 # ---- Timeline -----------------------------------------------------------------------------------

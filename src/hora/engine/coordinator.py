@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from hora.engine.request import Kind, Signature, signature
+from hora.engine.request import PROCESS_SET_KINDS, Kind, Signature, signature
 
 
 _FUSIBLE = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST)
@@ -36,7 +36,8 @@ class Response:
         return (
             self.error is None
             and not self.joined
-            and self.signature.kind not in (Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET)
+            and self.signature.kind not in (Kind.JOIN, Kind.BARRIER)
+            and self.signature.kind not in PROCESS_SET_KINDS
         )
 
     @cached_property
@@ -194,8 +195,10 @@ class Coordinator:
                         f"ALLTOALL splits for tensor {name!r} on rank {self.members[m]} are {list(s.splits)}: "
                         f"need {self.size} non-negative entries adding up to the first dimension {s.shape[0]}"
                     )
-        if ref.kind == Kind.PROCESS_SET and any(sigs[m].splits != ref.splits for m in members):
-            return describe("rank lists", lambda s: list(s.splits))
+        if ref.kind == Kind.ADD_PROCESS_SET and any(sigs[m].set_ranks != ref.set_ranks for m in members):
+            return describe("rank lists", lambda s: list(s.set_ranks))
+        if ref.kind == Kind.REMOVE_PROCESS_SET and any(sigs[m].set_id != ref.set_id for m in members):
+            return describe("process set ids", lambda s: s.set_id)
         if ref.kind == Kind.BROADCAST and ref.root not in self.members:
             return f"BROADCAST root rank {ref.root} of tensor {name!r} is not in the process set {self.members}"
         return None

@@ -24,7 +24,7 @@ from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
 from hora.engine import request as request_module
-from hora.engine.request import Handle, Kind, Request
+from hora.engine.request import PROCESS_SET_KINDS, Handle, Kind, Request, process_set_signature
 from hora.engine.timeline import Timeline
 from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
 _WORD = (1 << 64) - 1
-_NEVER_CACHED = frozenset((Kind.JOIN, Kind.BARRIER, Kind.PROCESS_SET))
+_NEVER_CACHED = frozenset((Kind.JOIN, Kind.BARRIER)) | PROCESS_SET_KINDS
 _BURST_GAP_S = 20e-6
 _IDLE_CYCLES_BEFORE_BACKOFF = 10
 _MAX_IDLE_WAIT_S = 0.01
@@ -104,10 +104,6 @@ class SetState:
     joined: tuple[int, ...] = ()
     last_round: float = 0.0
     control: np.ndarray = field(default_factory=lambda: np.zeros(3, np.uint64))  # see _exchange_control
-
-    @property
-    def member(self) -> int:
-        return self.comm.rank
 
 
 class Engine:
@@ -237,6 +233,16 @@ class Engine:
         if self._long_wait and not self._wake.is_set():
             self._wake.set()
         return [r.handle for r in requests]
+
+    def add_process_set(self, ranks: list[int], name: str) -> Handle:
+        """Start adding a process set of these global ranks (every rank of the job calls it, in the
+        same order); the handle's result is the new set's id."""
+        return self.submit([Request(name, process_set_signature(ranks=tuple(ranks)), None, Handle(name))])[0]
+
+    def remove_process_set(self, set_id: int, name: str) -> Handle:
+        """Start removing process set ``set_id`` (every rank calls it); the result says whether it
+        existed. Collectives still pending on it fail."""
+        return self.submit([Request(name, process_set_signature(set_id=set_id), None, Handle(name))])[0]
 
     def _raise_in_flight(self, name: str) -> None:
         raise ValueError(
@@ -646,7 +652,7 @@ class Engine:
     def _execute(self, state: SetState, items: list[Item]) -> None:
         runnable: list[Item] = []
         for item in items:
-            if item.response.signature.kind == Kind.PROCESS_SET and item.response.error is None:
+            if item.response.signature.kind in PROCESS_SET_KINDS and item.response.error is None:
                 if runnable:
                     state.executor.run(runnable)
                     runnable = []
@@ -679,8 +685,8 @@ class Engine:
 
     def _apply_process_set(self, state: SetState, item: Item) -> None:
         sig = item.response.signature
-        if sig.op == "add":
-            members = list(sig.splits)
+        if sig.kind == Kind.ADD_PROCESS_SET:
+            members = list(sig.set_ranks)
             set_id = self._next_set_id
             self._next_set_id += 1
             comm = None
@@ -692,7 +698,7 @@ class Engine:
             if item.request is not None:
                 item.request.handle.set_result(set_id)
         else:
-            set_id = sig.root
+            set_id = sig.set_id
             with self._lock:
                 existed = self._known_sets.pop(set_id, None) is not None
                 removed = self._sets.pop(set_id, None)

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-import ml_dtypes  # noqa: F401 - bfloat16
+import ml_dtypes
 import numpy as np
 
 from hora.engine.coordinator import Response
@@ -92,21 +92,37 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
 
 
 def _is_average(sig: Signature) -> bool:
-    return sig.op == "average"
+    return sig.op is ReduceOp.AVERAGE
 
 
 def _transport_op(sig: Signature) -> ReduceOp:
-    return ReduceOp.SUM if sig.op in ("average", "sum") else ReduceOp(sig.op)
+    return ReduceOp.SUM if sig.op is ReduceOp.AVERAGE else sig.op
+
+
+_HALF_WIDTH = frozenset((np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)))
 
 
 def _scale(buf: np.ndarray, factor: float) -> None:
-    """Multiply in place; integers are scaled in float64 and truncated toward zero (Horovod's rule)."""
+    """Multiply ``buf`` by ``factor`` in place, element by element, as Horovod's CPU ops do, so that
+    a migrated script gets the same bits: float32 and float64 in their own precision (the factor
+    rounded to the dtype first); float16 (and bfloat16) through float32, the product rounded back
+    once; integers (and bools) in float64, truncated toward zero.
+    """
     if factor == 1.0 or buf.size == 0:
         return
-    if buf.dtype.kind in "iub":
-        buf[...] = (buf.astype(np.float64) * factor).astype(buf.dtype)
+    dtype = buf.dtype
+    if dtype.kind in "iub":
+        buf[...] = (buf.astype(np.float64) * factor).astype(dtype)
+    elif dtype in _HALF_WIDTH:
+        buf[...] = np.multiply(buf, np.float32(factor), dtype=np.float32)
     else:
-        np.multiply(buf, buf.dtype.type(factor), out=buf)
+        np.multiply(buf, dtype.type(factor), out=buf)
+
+
+def _postscale(sig: Signature, size: int) -> float:
+    """The factor applied after the reduction: Average divides the postscale factor by the number
+    of ranks (in float64, as Horovod does, not multiplied by a rounded 1/size)."""
+    return sig.postscale / size if _is_average(sig) else sig.postscale
 
 
 def reducescatter_rows(rows: int, size: int) -> list[int]:
@@ -229,7 +245,7 @@ class Executor:
     def _allreduce(self, items: list[Item]) -> None:
         sig = items[0].response.signature
         dtype = sig.np_dtype
-        post = sig.postscale * (1.0 / self.comm.size if _is_average(sig) else 1.0)
+        post = _postscale(sig, self.comm.size)
         op = _transport_op(sig)
         if len(items) == 1 and not self._stages(sig.nbytes()):
             item = items[0]
@@ -402,5 +418,5 @@ class Executor:
         out = np.empty((rows[self.comm.rank],) + tuple(sig.shape[1:]), dtype=dtype)
         op = _transport_op(sig)
         self._transport([item], lambda: self.comm.reducescatter(send, out.reshape(-1), [r * row for r in rows], op))
-        _scale(out, sig.postscale * (1.0 / size if _is_average(sig) else 1.0))
+        _scale(out, _postscale(sig, size))
         self._complete(item, out)

@@ -18,6 +18,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hora.transport.base import ReduceOp
+
 
 
 class Kind(str, enum.Enum):
@@ -28,7 +30,13 @@ class Kind(str, enum.Enum):
     REDUCESCATTER = "REDUCESCATTER"
     BARRIER = "BARRIER"
     JOIN = "JOIN"
-    PROCESS_SET = "PROCESS_SET"  # add/remove a process set: negotiated so every rank acts at the same point
+    # Process-set changes, negotiated on the global set so that every rank acts at the same point.
+    ADD_PROCESS_SET = "ADD_PROCESS_SET"
+    REMOVE_PROCESS_SET = "REMOVE_PROCESS_SET"
+
+
+#: Requests that change the process sets (see :func:`process_set_signature`).
+PROCESS_SET_KINDS = frozenset((Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET))
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,18 +51,20 @@ class Signature:
     kind: Kind
     dtype: str
     shape: tuple[int, ...]
-    op: str = "sum"  # a ReduceOp value; "average" is sum plus a postscale of 1/size
+    op: ReduceOp = ReduceOp.SUM  # AVERAGE runs as SUM plus a postscale of 1/size
     root: int = -1
     prescale: float = 1.0
     postscale: float = 1.0
     group: str = ""  # members of a grouped collective share this and travel as one unit
     group_size: int = 0
     splits: tuple[int, ...] = ()  # alltoall: elements... rows this rank sends to each member
+    set_ranks: tuple[int, ...] = ()  # ADD_PROCESS_SET: the new set's ranks
+    set_id: int = -1  # REMOVE_PROCESS_SET: the set to remove
 
     @cached_property
     def _key(self) -> tuple:
         return (self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
-                self.group, self.group_size, self.splits)
+                self.group, self.group_size, self.splits, self.set_ranks, self.set_id)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -88,7 +98,7 @@ _INTERNED: dict[tuple, Signature] = {}
 _INTERN_LIMIT = 1 << 16  # distinct signatures kept; past it the table starts over (no leak)
 
 
-def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: str = "sum", root: int = -1,
+def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: ReduceOp = ReduceOp.SUM, root: int = -1,
               prescale: float = 1.0, postscale: float = 1.0, group: str = "", group_size: int = 0,
               splits: tuple[int, ...] = ()) -> Signature:
     """The shared :class:`Signature` with these fields (created on first use)."""
@@ -99,6 +109,16 @@ def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: str = "sum", r
             _INTERNED.clear()
         sig = _INTERNED[key] = Signature(*key)
     return sig
+
+
+def process_set_signature(ranks: tuple[int, ...] = (), set_id: int = -1) -> Signature:
+    """The signature of adding a process set of ``ranks``, or (with ``set_id``) of removing one.
+
+    These carry no tensor and are rare, so they are built fresh rather than interned.
+    """
+    if set_id >= 0:
+        return Signature(Kind.REMOVE_PROCESS_SET, "uint8", (), set_id=set_id)
+    return Signature(Kind.ADD_PROCESS_SET, "uint8", (), set_ranks=tuple(ranks))
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
@@ -115,6 +135,10 @@ def dtype_name(dtype: np.dtype) -> str:
 #: When a thread last started blocking on a handle (``time.perf_counter``). The engine reads it to
 #: tell that a burst of submissions is over: a thread that waits submits nothing more for now.
 last_wait_started = 0.0
+
+
+#: Longest single block in :meth:`Handle.wait` before it checks on the engine again (seconds).
+_RECHECK_S = 1.0
 
 
 def mark_waiting() -> None:
@@ -172,12 +196,26 @@ class Handle:
                 self.driver.drive(self)  # stamps last_wait_started once it counts as a driver
             else:
                 mark_waiting()
-            if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
-                raise TimeoutError(f"request {self.name!r} did not complete within {timeout} s")
-            self._gate.release()
+            if not self._finished:
+                self._await(timeout)
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _await(self, timeout: float | None) -> None:
+        """Block until done, in bounded waits that ask the engine between them whether it can still
+        complete this handle: an engine that stopped fails it, so no wait outlives its engine."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _RECHECK_S if deadline is None else max(0.0, min(_RECHECK_S, deadline - time.monotonic()))
+            if self._gate.acquire(timeout=step):
+                self._gate.release()
+                return
+            driver = self.driver
+            if driver is not None and driver.abandon_if_stopped(self):
+                continue  # failed just now: the next acquire returns at once
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"request {self.name!r} did not complete within {timeout} s")
 
 
 class Request:

@@ -50,7 +50,7 @@ def _choose_ufunc(op: ReduceOp, dtype: np.dtype) -> Callable[..., np.ndarray]:
     if dtype == np.bool_:
         return _BOOLEAN[op]
     if op in (ReduceOp.BAND, ReduceOp.BOR) and dtype.kind not in _INT_KINDS:
-        raise TypeError(f"bitwise reduction {op.value} is not defined for dtype {dtype}")
+        raise TypeError(f"bitwise reduction {op} is not defined for dtype {dtype}")
     return _NUMERIC[op]
 
 
@@ -59,9 +59,3 @@ def check_op(op: ReduceOp, dtype: np.dtype) -> None:
     if not isinstance(op, ReduceOp):
         raise TypeError(f"op must be a hora.transport.ReduceOp, got {op!r}")
     reduction_ufunc(op, dtype)
-
-
-def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
-    """``dst = op(dst, src)`` element-wise, in place."""
-    ufunc = reduction_ufunc(op, dst.dtype)
-    ufunc(dst, src, out=dst)
