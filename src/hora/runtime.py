@@ -30,7 +30,6 @@ from hora.rendezvous.rounds import Round
 from hora.rendezvous.server import RendezvousServer
 from hora.runner import identity
 from hora.transport import world as world_formation
-from hora.transport import create_communicator
 from hora.transport.base import Communicator
 
 logger = logging.getLogger("hora")
@@ -184,8 +183,10 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
         coordinates = _coordinates(world, topology, me)
 
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
-            # Process-set members are ranks of this world (what hora.rank() returns).
-            return _group_communicator(index, set_members, topology, store, f"{scope}/{tag}", secret)
+            # Process-set members are ranks of this world (what hora.rank() returns); the set gets
+            # the transport world formation would choose for where its ranks run.
+            hosts = world_formation.Topology(tuple(topology.machines[m] for m in set_members))
+            return world_formation.connect_group(index, set_members, store, f"{scope}/{tag}", secret, hosts)
 
         timeline = None
         path = config.get("timeline")
@@ -196,13 +197,6 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
         _close_connections(world, store, server)
         raise
     return Runtime(store, server, joined, world, coordinates, engine)
-
-
-def _group_communicator(index: int, members: list[int], topology: world_formation.Topology,
-                        store: RendezvousClient, scope: str, secret: str) -> Communicator:
-    same_host = len({topology.machines[m] for m in members}) == 1
-    kind = "shm" if same_host and len(members) > 1 and config.get("transport") != "tcp" else "tcp"
-    return create_communicator(kind, index, members, store, scope, secret)
 
 
 def _coordinates(world: Communicator, topology: world_formation.Topology,

@@ -14,7 +14,6 @@ import json
 import sys
 from typing import Any, Sequence
 
-from hora import config
 from hora.bench.sweep import (
     DEFAULT_ITERS,
     DEFAULT_WARMUP,
@@ -27,6 +26,7 @@ from hora.bench.sweep import (
     size_sweep,
 )
 from hora.errors import HoraError
+from hora.runner import identity
 
 COLUMNS = (
     # (header, row key, width, format)
@@ -132,7 +132,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     spec = spec_from_args(args, parser)
     try:
-        if config.is_set("rank"):  # already a worker of a hora job: measure in place
+        if identity.is_worker():  # already a worker of a hora job: measure in place
             rows = bench_worker(spec)
             if rows is None:  # not rank 0: rank 0 reports
                 return 0

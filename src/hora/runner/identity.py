@@ -55,8 +55,9 @@ def from_environment(environ: Mapping[str, str] | None = None) -> WorkerIdentity
 
 
 def is_worker(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is a worker of a job started by ``hora run`` / :func:`hora.run`."""
-    return config.is_set("rank", environ) or config.is_set("rendezvous_addr", environ)
+    """Whether this process is a worker of a job started by ``hora run`` / :func:`hora.run` (the
+    launcher gives every worker its rank)."""
+    return config.is_set("rank", environ)
 
 
 def for_init(environ: Mapping[str, str] | None = None) -> WorkerIdentity | None:
