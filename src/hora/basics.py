@@ -128,6 +128,15 @@ def shutdown() -> None:
         runtime.close()
 
 
+def reset() -> None:
+    """``shutdown()``, and also forget which rendezvous round this process last joined, so the next
+    ``init()`` behaves as the process's first (it joins round 0). For test fixtures that want every
+    test to start from a never-initialised process; jobs call ``shutdown()``."""
+    shutdown()
+    with _ctx.lock:
+        _ctx.last_joined = None
+
+
 def is_initialized() -> bool:
     return _ctx.runtime is not None
 

@@ -88,6 +88,18 @@ def test_a_failed_init_leaves_nothing_running_and_init_works_afterwards(no_hora_
     assert _rendezvous_threads() == before
 
 
+def test_reset_leaves_a_process_that_was_never_initialised(no_hora_env):
+    hora.init()
+    basics.reset()
+    assert not hora.is_initialized() and basics._ctx.last_joined is None
+    basics.reset()  # harmless when not initialised
+    hora.init()
+    try:
+        assert basics._ctx.runtime.round.generation == 0 and hora.size() == 1
+    finally:
+        basics.reset()
+
+
 def test_reduce_op_constants_equal_horovods():
     assert (hora.Average, hora.Sum, hora.Adasum, hora.Min, hora.Max, hora.Product) == (0, 1, 2, 3, 4, 5)
 
