@@ -280,3 +280,13 @@ def test_init_refuses_a_foreign_launchers_multi_process_job() -> None:
                           capture_output=True, text=True, timeout=50)
     assert proc.returncode != 0
     assert "OMPI_COMM_WORLD_SIZE=2" in proc.stderr and "hora run" in proc.stderr, proc.stderr
+
+
+def test_unnamed_collectives_never_share_a_name_and_count_again_after_a_join(solo):
+    engine = basics.engine()
+    upper, lower, barrier = engine.auto_name("ALLREDUCE"), engine.auto_name("allreduce"), engine.auto_name("barrier")
+    assert len({upper, lower, barrier}) == 3
+    assert upper.startswith("allreduce.noname.") and lower.startswith("allreduce.noname.")
+    assert hora.join() == 0
+    after = engine.auto_name("allreduce")
+    assert after.endswith(".0") and after not in (upper, lower)  # a new epoch: no clash with older names

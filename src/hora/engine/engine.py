@@ -186,10 +186,11 @@ class Engine:
         over (in a new epoch, so no name repeats one still in flight) when a join completes, the
         point at which every rank is back in step.
         """
+        kind = kind.lower()  # "ALLREDUCE" and "allreduce" share a counter, as they share names
         counter = self._name_counters.get(kind)
         if counter is None:
             counter = self._name_counters.setdefault(kind, itertools.count())
-        return f"{kind.lower()}.noname.{self._join_epoch}.{next(counter)}"
+        return f"{kind}.noname.{self._join_epoch}.{next(counter)}"
 
     def submit(self, requests: list[Request]) -> list[Handle]:
         """Queue requests (a grouped collective's members together); returns their handles at once."""
