@@ -73,15 +73,13 @@ class _Context:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.runtime: Runtime | None = None
+        # runtime.engine and runtime.coordinates, kept apart: collectives read them on every call
+        self.engine: Engine | None = None
+        self.coordinates: Coordinates | None = None
         self.last_joined: Joined | None = None  # the round the last runtime took part in
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
         self.op_names = itertools.count()
-
-    @property
-    def engine(self) -> Engine | None:
-        runtime = self.runtime
-        return None if runtime is None else runtime.engine
 
 
 _ctx = _Context()
@@ -101,6 +99,7 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
                             "pass a list of ranks or start workers with `hora run`")
         runtime = assemble(comm, _ctx.last_joined)
         _ctx.runtime, _ctx.last_joined = runtime, runtime.joined
+        _ctx.engine, _ctx.coordinates = runtime.engine, runtime.coordinates
         global_process_set.ranks = list(range(runtime.coordinates.size))
         _ctx.process_sets = {0: global_process_set}
         if not _ctx.atexit_registered:
@@ -118,7 +117,7 @@ def shutdown() -> None:
     always leaves hora uninitialised with no process set registered (what a test fixture wants).
     """
     with _ctx.lock:
-        runtime, _ctx.runtime = _ctx.runtime, None
+        runtime, _ctx.runtime, _ctx.engine, _ctx.coordinates = _ctx.runtime, None, None, None
         for ps in _ctx.process_sets.values():
             if ps is not global_process_set:
                 ps.process_set_id = None
@@ -142,10 +141,10 @@ def is_initialized() -> bool:
 
 
 def _topo() -> Coordinates:
-    runtime = _ctx.runtime
-    if runtime is None:
+    coordinates = _ctx.coordinates
+    if coordinates is None:
         raise ValueError("hora has not been initialized; call hora.init() first")
-    return runtime.coordinates
+    return coordinates
 
 
 def size() -> int:
@@ -221,10 +220,10 @@ def rocm_built() -> bool:
 # ---- engine access for the bindings -------------------------------------------------------------
 
 def engine() -> Engine:
-    runtime = _ctx.runtime
-    if runtime is None:
+    eng = _ctx.engine
+    if eng is None:
         raise ValueError("hora has not been initialized; call hora.init() first")
-    return runtime.engine
+    return eng
 
 
 def process_set_id(process_set: ProcessSet | None) -> int:
