@@ -138,7 +138,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("autotune", False, _parse_bool, "Tune fusion threshold and cycle time while training."),
     Knob("autotune_log", None, _parse_str, "CSV file the autotuner logs its trials to."),
     Knob("log_level", "WARNING", _parse_log_level, "Log level of hora's loggers."),
-    Knob("elastic", False, _parse_bool, "Run in elastic mode."),
+    Knob("elastic", False, _parse_bool,
+         "Run in elastic mode: init() after shutdown() waits for the rendezvous round the elastic "
+         "driver opens, instead of opening the next round with the same ranks."),
 )
 
 _BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
