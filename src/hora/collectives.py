@@ -45,13 +45,20 @@ def _submit(requests: list[Request]) -> list[Handle]:
     return basics.engine().submit(requests)
 
 
+def _auto_name(kind: str, process_set: ProcessSet) -> str:
+    """A name for an unnamed collective, counted among the process set's members only (so that
+    collectives on a set some ranks are not in leave the other sets' names in step)."""
+    return basics.engine().auto_name(kind, basics.process_set_id(process_set))
+
+
 def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: ProcessSet,
              output: np.ndarray | None = None, **fields: Any) -> Request:
-    name = name if name is not None else basics.next_name(kind.value)
+    set_id = basics.process_set_id(process_set)
+    name = name if name is not None else basics.engine().auto_name(kind.value, set_id)
     dtype = dtype_name(arr.dtype) if arr is not None else "uint8"
     shape = tuple(arr.shape) if arr is not None else ()
     sig = signature(kind, dtype, shape, **fields)
-    return Request(name, sig, arr, Handle(name), basics.process_set_id(process_set), output=output)
+    return Request(name, sig, arr, Handle(name), set_id, output=output)
 
 
 # ---- allreduce ----------------------------------------------------------------------------------
@@ -69,11 +76,12 @@ def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: 
     dtype = arr.dtype
     if op == Average and dtype.kind == "b":
         _check_op_dtype(op, dtype)
+    set_id = basics.process_set_id(process_set)
     if name is None:
-        name = basics.next_name(Kind.ALLREDUCE.value)
+        name = basics.engine().auto_name(Kind.ALLREDUCE.value, set_id)
     sig = signature(Kind.ALLREDUCE, dtype_name(dtype), arr.shape, op, -1, float(prescale_factor),
                     float(postscale_factor), group, group_size)
-    return Request(name, sig, arr, Handle(name), basics.process_set_id(process_set), arr if inplace else None)
+    return Request(name, sig, arr, Handle(name), set_id, arr if inplace else None)
 
 
 def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None, op: int | None = None,
@@ -105,8 +113,8 @@ def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def _group_names(name: str | None, count: int, kind: str) -> tuple[str, list[str]]:
-    base = name if name is not None else basics.next_name(f"grouped_{kind}")
+def _group_names(name: str | None, count: int, kind: str, process_set: ProcessSet) -> tuple[str, list[str]]:
+    base = name if name is not None else _auto_name(f"grouped_{kind}", process_set)
     return base, [f"{base}.{i}" for i in range(count)]
 
 
@@ -114,7 +122,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> list[Handle]:
     """Reduce a list of tensors as one fused unit (they are negotiated and sent together)."""
-    base, names = _group_names(name, len(tensors), "allreduce")
+    base, names = _group_names(name, len(tensors), "allreduce", process_set)
     requests = [
         _allreduce_request(t, average, n, op, prescale_factor, postscale_factor, process_set,
                            group=base, group_size=len(tensors))
@@ -127,7 +135,7 @@ def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> list[Handle]:
     """In place: each result overwrites its input array."""
-    base, names = _group_names(name, len(tensors), "allreduce")
+    base, names = _group_names(name, len(tensors), "allreduce", process_set)
     requests = [
         _allreduce_request(t, average, n, op, prescale_factor, postscale_factor, process_set,
                            inplace=True, group=base, group_size=len(tensors))
@@ -171,7 +179,7 @@ def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = gl
 
 def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> list[Handle]:
-    base, names = _group_names(name, len(tensors), "allgather")
+    base, names = _group_names(name, len(tensors), "allgather", process_set)
     requests = [_allgather_request(t, n, process_set, base, len(tensors)) for t, n in zip(tensors, names)]
     return _submit(requests) if requests else []
 
@@ -189,7 +197,7 @@ def _broadcast_request(tensor: Any, root_rank: int, name: str | None, process_se
     if inplace and (not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable):
         raise ValueError("in-place broadcast needs a writeable, C-contiguous numpy array")
     _as_array(arr)
-    members = global_process_set.ranks if process_set is global_process_set else process_set.ranks
+    members = process_set.ranks
     if int(root_rank) not in members:
         raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {members})")
     return _request(Kind.BROADCAST, name, arr, process_set, output=arr if inplace else None, root=int(root_rank))
@@ -224,7 +232,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
     arr = _as_array(tensor)
     if arr.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    n = len(global_process_set.ranks if process_set is global_process_set else process_set.ranks)
+    n = len(process_set.ranks)
     if splits is None:
         if arr.shape[0] % n:
             raise ValueError(f"alltoall without splits needs the first dimension ({arr.shape[0]}) "
@@ -277,7 +285,7 @@ def reducescatter(tensor: Any, name: str | None = None, op: int = Average,
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> list[Handle]:
-    base, names = _group_names(name, len(tensors), "reducescatter")
+    base, names = _group_names(name, len(tensors), "reducescatter", process_set)
     requests = [_reducescatter_request(t, n, op, process_set, prescale_factor, postscale_factor, base, len(tensors))
                 for t, n in zip(tensors, names)]
     return _submit(requests) if requests else []
@@ -294,7 +302,7 @@ def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, op: i
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of the process set has reached the barrier."""
-    synchronize(basics.submit_control(Kind.BARRIER, basics.next_name("barrier"), process_set))
+    synchronize(basics.submit_control(Kind.BARRIER, _auto_name("barrier", process_set), process_set))
 
 
 def join(device: int = -1) -> int:
@@ -317,7 +325,7 @@ def synchronize(handle: Handle) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s picklable object, on every rank of the process set."""
-    base = name if name is not None else basics.next_name("broadcast_object")
+    base = name if name is not None else _auto_name("broadcast_object", process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if basics.rank() == root_rank else None
     length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
     length = broadcast(length, root_rank, f"{base}.size", process_set)
@@ -328,7 +336,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's picklable object, in rank order."""
-    base = name if name is not None else basics.next_name("allgather_object")
+    base = name if name is not None else _auto_name("allgather_object", process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.sizes", process_set)
     data = allgather(payload, f"{base}.data", process_set)

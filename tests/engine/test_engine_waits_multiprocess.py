@@ -73,6 +73,37 @@ def _reported_wait_job() -> dict[str, Any]:
     return out
 
 
+def _uneven_unnamed_job() -> dict[str, Any]:
+    hora.init()
+    r = hora.rank()
+    alone = hora.add_process_set([0])
+    out: dict[str, Any] = {}
+    if r == 0:
+        # Unnamed collectives on a set rank 1 is not in: rank 1 never makes these calls.
+        out["alone"] = [hora.allreduce(np.ones(2), process_set=alone).tolist(),
+                        hora.allgather(np.ones(1), process_set=alone).tolist()]
+        hora.barrier(process_set=alone)
+    # The next unnamed collectives of the whole job must still pair up across ranks. (When they did
+    # not, each rank drove cycles in Handle.wait with its engine thread idle, and nothing was said
+    # until the stall inspector's time.)
+    hora.barrier()
+    out["allreduce"] = hora.allreduce(np.full(2, r + 1.0), op=hora.Sum).tolist()
+    out["allgather"] = hora.allgather(np.full(1, r)).tolist()
+    out["objects"] = hora.allgather_object(r)
+    hora.shutdown()
+    return out
+
+
+def test_unnamed_collectives_on_a_smaller_set_leave_the_whole_jobs_names_in_step_2ranks():
+    results = hora.run(_uneven_unnamed_job, np=2, env={"HORA_STALL_CHECK_TIME_SECONDS": "5",
+                                                       "HORA_STALL_SHUTDOWN_TIME_SECONDS": "20"})
+    assert results[0]["alone"] == [[1.0, 1.0], [1.0]]
+    for r in range(2):
+        assert results[r]["allreduce"] == [3.0, 3.0]
+        assert results[r]["allgather"] == [0, 1]
+        assert results[r]["objects"] == [0, 1]
+
+
 def test_a_collective_pending_on_a_removed_process_set_fails_instead_of_hanging_3ranks():
     results = hora.run(_removed_set_job, np=3, env={"HORA_STALL_CHECK_TIME_SECONDS": "60"})
     orphan = results[0]["orphan"]

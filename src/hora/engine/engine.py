@@ -139,8 +139,9 @@ class Engine:
         self._states: tuple[SetState, ...] = ()
         self._known_sets: dict[int, list[int]] = {}
         self._next_set_id = 1
-        # Unnamed collectives: a counter per kind, started over when a join completes (see auto_name).
-        self._name_counters: dict[str, itertools.count] = {}
+        # Unnamed collectives: a counter per process set and kind, started over when a join completes
+        # (see auto_name).
+        self._name_counters: dict[tuple[int, str], itertools.count] = {}
         self._join_epoch = 0
         #: Negotiation rounds (name-based coordinator exchanges) this rank has taken part in, all
         #: process sets together. Steady state served by the response cache adds none.
@@ -178,19 +179,22 @@ class Engine:
 
     # ---- submission ---------------------------------------------------------------------------
 
-    def auto_name(self, kind: str) -> str:
+    def auto_name(self, kind: str, process_set_id: int = 0) -> str:
         """A name for an unnamed collective, the same on every rank that makes the same calls.
 
-        Ranks need not make the same calls: while some ranks have joined, the others call
-        collectives the joined ones never do. So names are counted per kind, and the counters start
-        over (in a new epoch, so no name repeats one still in flight) when a join completes, the
-        point at which every rank is back in step.
+        Ranks need not make the same calls: a process set's collectives are made by its members
+        only, and while some ranks have joined, the others call collectives the joined ones never
+        do. So names are counted per process set and per kind (a set's names are only ever matched
+        among its members), and every counter starts over, in a new epoch so that no name repeats
+        one still in flight, when a join completes: the point at which every rank is back in step.
         """
-        kind = kind.lower()  # "ALLREDUCE" and "allreduce" share a counter, as they share names
-        counter = self._name_counters.get(kind)
+        key = (process_set_id, kind.lower())  # "ALLREDUCE" and "allreduce" share names, and a counter
+        counter = self._name_counters.get(key)
         if counter is None:
-            counter = self._name_counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{self._join_epoch}.{next(counter)}"
+            counter = self._name_counters.setdefault(key, itertools.count())
+        if process_set_id:
+            return f"{key[1]}.noname.set{process_set_id}.{self._join_epoch}.{next(counter)}"
+        return f"{key[1]}.noname.{self._join_epoch}.{next(counter)}"
 
     def submit(self, requests: list[Request]) -> list[Handle]:
         """Queue requests (a grouped collective's members together); returns their handles at once."""
