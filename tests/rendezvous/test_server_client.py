@@ -191,3 +191,33 @@ def test_stop_ends_the_accept_thread_and_open_connections():
     with pytest.raises(RendezvousError, match="lost the rendezvous store"):
         client.ping()
     client.close()
+
+
+def test_a_garbled_reply_is_a_rendezvous_error_and_retires_the_connection():
+    secret = new_secret()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def garbling_server():
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                authenticate_as_server(conn, secret_bytes(secret), 10)
+                recv_frame(conn), recv_frame(conn)
+                send_frame(conn, b"\xff not json")
+                send_frame(conn, b"")
+                recv_frame(conn)  # a second request must never come
+            except (OSError, RendezvousError):
+                pass
+
+    thread = threading.Thread(target=garbling_server, daemon=True)
+    thread.start()
+    try:
+        client = RendezvousClient("127.0.0.1", listener.getsockname()[1], secret)
+        with pytest.raises(RendezvousError, match="rendezvous store"):
+            client.ping()
+        with pytest.raises(RendezvousError):
+            client.ping()
+        client.close()
+    finally:
+        listener.close()
+        thread.join(10)
