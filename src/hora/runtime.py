@@ -31,6 +31,7 @@ from hora.rendezvous.server import RendezvousServer
 from hora.runner import identity
 from hora.transport import world as world_formation
 from hora.transport.base import Communicator
+from hora.transport.topology import Topology
 
 logger = logging.getLogger("hora")
 
@@ -162,6 +163,7 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
     server: RendezvousServer | None = None
     store: RendezvousClient | None = None
     world: Communicator | None = None
+    timeline: Timeline | None = None
     try:
         if me is None:
             secret = new_secret()
@@ -185,21 +187,22 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
             # Process-set members are ranks of this world (what hora.rank() returns); the set gets
             # the transport world formation would choose for where its ranks run.
-            hosts = world_formation.Topology(tuple(topology.machines[m] for m in set_members))
+            hosts = Topology(tuple(topology.machines[m] for m in set_members))
             return world_formation.connect_group(index, set_members, store, f"{scope}/{tag}", secret, hosts)
 
-        timeline = None
         path = config.get("timeline")
         if path and path.upper() != "DYNAMIC" and world.rank == 0:
             timeline = Timeline(path, bool(config.get("timeline_mark_cycles")))
         engine = Engine(world, engine_settings(), make_communicator, timeline)
     except BaseException:
+        if timeline is not None:
+            _quietly("closing the timeline", timeline.close)
         _close_connections(world, store, server)
         raise
     return Runtime(store, server, joined, world, coordinates, engine)
 
 
-def _coordinates(world: Communicator, topology: world_formation.Topology,
+def _coordinates(world: Communicator, topology: Topology,
                  me: identity.WorkerIdentity | None) -> Coordinates:
     """Local and cross ranks as the transport found them (the launcher's claims are checked)."""
     rank = world.rank
