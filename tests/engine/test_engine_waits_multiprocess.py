@@ -120,3 +120,55 @@ def test_a_long_wait_reports_on_the_waiting_rank_what_it_waits_for_2ranks():
     reports = results[1]["reports"]
     assert reports, "rank 1 waited 4 s with a 1 s stall time and said nothing"
     assert any("rank 1" in m and "waited" in m for m in reports), reports
+
+
+def _interrupted_job() -> dict[str, Any]:
+    import time
+
+    from hora import basics
+
+    hora.init()
+    r = hora.rank()
+    out: dict[str, Any] = {}
+    engine = basics.engine()
+    if r == 0:
+        # A KeyboardInterrupt (or a test runner's time-out) lands in this thread while it runs the
+        # cycle that executes "victim": this rank cannot tell its peer where it stopped.
+        executor = engine._sets[0].executor
+        run = executor.run
+
+        def interrupted(items):
+            if any(item.response.name == "victim" for item in items):
+                raise KeyboardInterrupt
+            return run(items)
+
+        executor.run = interrupted
+    start = time.monotonic()
+    try:
+        hora.allreduce(np.ones(2), name="victim")
+        out["victim"] = "result"
+    except KeyboardInterrupt:
+        out["victim"] = "KeyboardInterrupt"
+    except Exception as exc:  # noqa: BLE001
+        out["victim"] = type(exc).__name__
+    out["victim_s"] = time.monotonic() - start
+    later = []
+    for call in (hora.barrier, lambda: hora.allreduce(np.ones(2), name="later")):
+        start = time.monotonic()
+        try:
+            call()
+            later.append(("result", time.monotonic() - start))
+        except Exception as exc:  # noqa: BLE001
+            later.append((type(exc).__name__, time.monotonic() - start))
+    out["later"] = later
+    return out
+
+
+def test_after_a_rank_is_interrupted_mid_collective_every_later_collective_fails_fast_2ranks():
+    results = hora.run(_interrupted_job, np=2, env={"HORA_TRANSPORT_TIMEOUT": "3"})
+    assert results[0]["victim"] == "KeyboardInterrupt"
+    assert results[1]["victim"] in ("HorovodInternalError", "result"), results[1]
+    assert results[1]["victim_s"] < 60  # the peer's wait ends (transport time-out 3 s), no hang
+    for r in range(2):
+        for outcome, seconds in results[r]["later"]:
+            assert outcome == "HorovodInternalError" and seconds < 5, (r, results[r]["later"])
