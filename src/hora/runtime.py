@@ -56,6 +56,7 @@ class Joined:
 
     round: Round
     private: bool
+    job: str  # the job's id: a process that later joins another job starts at that job's round 0
 
 
 class Runtime:
@@ -126,7 +127,7 @@ def _choose_round(store: RendezvousClient, me: identity.WorkerIdentity | None,
                   previous: Joined | None) -> tuple[Round, int]:
     """The round to join and this worker's rank in it."""
     size = 1 if me is None else me.size
-    if previous is None or previous.private:
+    if previous is None or previous.private or me is None or previous.job != me.job_id:
         opened = store.open_round(size, expect_current=-1)  # round 0, or the one already open
     elif config.get("elastic"):
         timeout = float(config.get("start_timeout"))
@@ -179,7 +180,8 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
         members = list(range(current.size)) if comm is None else sorted(int(r) for r in comm)
         if my_rank not in members:
             raise ValueError(f"rank {my_rank} is not in init(comm={members})")
-        joined = Joined(store.join_round(current.generation, my_rank, hostname), private=me is None)
+        joined = Joined(store.join_round(current.generation, my_rank, hostname), private=me is None,
+                        job="" if me is None else me.job_id)
         scope = current.prefix + ("world" if comm is None else "world-" + "-".join(map(str, members)))
         world, topology = world_formation.form_world(members.index(my_rank), members, store, scope, secret)
         coordinates = _coordinates(world, topology, me)

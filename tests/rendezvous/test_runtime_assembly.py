@@ -31,3 +31,39 @@ def transports_of_world_and_set():
 def test_a_process_set_gets_the_transport_world_formation_chooses_world_size_3(transport, expected):
     results = hora.run(transports_of_world_and_set, np=3, start_timeout=60, env={"HORA_TRANSPORT": transport})
     assert results == [(expected, expected, 2.0), (expected, expected, 2.0), (expected, None, None)]
+
+
+def _job_environment(monkeypatch, server, secret: str, job_id: str) -> None:
+    """This process as rank 0 of a one-rank job whose store is ``server``."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith(("HORA_", "HOROVOD_")):
+            monkeypatch.delenv(key)
+    values = {"RANK": 0, "SIZE": 1, "LOCAL_RANK": 0, "LOCAL_SIZE": 1, "CROSS_RANK": 0, "CROSS_SIZE": 1,
+              "HOSTNAME": "localhost", "RENDEZVOUS_ADDR": server.host, "RENDEZVOUS_PORT": server.port,
+              "SECRET": secret, "JOB_ID": job_id}
+    for name, value in values.items():
+        monkeypatch.setenv(f"HORA_{name}", str(value))
+
+
+def test_init_after_shutdown_joins_the_next_round_of_the_same_job_and_round_0_of_another(monkeypatch):
+    from hora import basics
+    from hora.rendezvous import RendezvousServer, new_secret
+
+    first_secret, second_secret = new_secret(), new_secret()
+    with RendezvousServer(first_secret) as first, RendezvousServer(second_secret) as second:
+        try:
+            basics.reset()
+            _job_environment(monkeypatch, first, first_secret, "first-job")
+            hora.init()
+            hora.shutdown()
+            hora.init()
+            assert basics._ctx.runtime.round.generation == 1
+            assert first.store.keys("round/0/") == [] and first.store.keys("round/1/") != []
+            hora.shutdown()
+            _job_environment(monkeypatch, second, second_secret, "second-job")
+            hora.init()
+            assert basics._ctx.runtime.round.generation == 0 and hora.size() == 1
+        finally:
+            basics.reset()
