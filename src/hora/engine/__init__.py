@@ -1,6 +1,7 @@
 """The engine: requests, handles, negotiation, fusion, response cache, timeline, stall inspection.
 
-It knows buffers, dtypes and names; it knows no framework and no socket (DESIGN.md).
+It knows buffers, dtypes and names; it knows no framework and no socket: bindings convert
+their tensors to buffers, and transports move the bytes.
 """
 
 from hora.engine.engine import Engine, EngineSettings

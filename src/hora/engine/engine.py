@@ -1,4 +1,4 @@
-"""The engine's background thread: the negotiation cycle of DESIGN.md.
+"""The engine's negotiation cycle, run by its background thread or by a thread waiting on a handle.
 
 Each cycle, for every process set this rank belongs to (in id order, so all ranks agree):
 1. drain newly submitted requests; a request that matches a cached response sets that entry's bit;
@@ -6,7 +6,9 @@ Each cycle, for every process set this rank belongs to (in id order, so all rank
    ready everywhere, whether anyone has uncached requests, invalidated entries or wants to shut down;
 3. cached-and-ready tensors execute at once; if anyone has uncached requests, their signatures go to
    the coordinator, which answers with the ordered responses every member then executes.
-The framework thread only ever blocks in ``Handle.wait``.
+The framework thread only ever blocks in ``Handle.wait``, where it runs cycles itself (``drive``).
+Every wait ends: in the result, in an error (a stopped engine fails whatever it did not complete,
+a removed process set fails what was pending on it), or, while it goes on, in a stall report.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class Handle:
         return False
 
     def wait(self, timeout: float | None = None) -> Any:
-        """The result; raises the request's error (in the caller's thread, as DESIGN.md asks)."""
+        """The result; raises the request's error in the caller's thread, where it can be handled."""
         if not self._finished:
             if timeout is None and self.driver is not None:
                 self.driver.drive(self)  # stamps last_wait_started once it counts as a driver
