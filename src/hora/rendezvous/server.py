@@ -96,7 +96,8 @@ class RendezvousServer:
             try:
                 authenticate_as_server(conn, self._secret, HANDSHAKE_TIMEOUT)
             except AuthenticationError as exc:
-                self.refused += 1
+                with self._conns_lock:  # handshakes fail on many threads at once
+                    self.refused += 1
                 logger.warning("rendezvous refused a connection from %s:%s: %s", peer[0], peer[1], exc)
                 return
             while not self._stop.is_set():
