@@ -24,14 +24,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from hora import config
-from hora.errors import PeerFailureError, TransportError
+from hora.errors import PeerFailureError
 from hora.rendezvous.auth import secret_bytes
 from hora.rendezvous.client import RendezvousClient
 from hora.transport.base import Communicator, ReduceOp, check_buffer, check_counts, check_root
 from hora.transport.guard import CollectiveGuard
-from hora.transport.layout import bytes_of as _bytes_of
-from hora.transport.layout import count_offsets as _offsets
-from hora.transport.layout import split_offsets as _split
+from hora.transport.layout import bytes_of, count_offsets, split_offsets
 from hora.transport.reduce import check_op, reduction_ufunc
 from hora.transport.sender import AsyncSender
 from hora.transport.tcp_mesh import connect_mesh, route_address
@@ -62,8 +60,6 @@ class TcpCommunicator(Communicator):
         if not 0 <= rank < len(self._members):
             raise ValueError(f"rank {rank} is outside a communicator of {len(self._members)} members")
         self._rank = rank
-        self._store = store
-        self._scope = scope
         self.timeout = float(timeout if timeout is not None else config.get("transport_timeout"))
         self.chunk_bytes = max(4096, int(config.get("ring_chunk_bytes")))
         self.small_bytes = int(config.get("ring_small_bytes"))
@@ -192,18 +188,18 @@ class TcpCommunicator(Communicator):
             if self._use_direct(flat.nbytes):
                 self._allreduce_direct(flat, op)
             else:
-                self._reduce_scatter_ring(flat, flat, _split(flat.size, self.size), op, own_shift=1)
-                self._allgather_ring(flat, _split(flat.size, self.size), shift=1)
+                self._reduce_scatter_ring(flat, flat, split_offsets(flat.size, self.size), op, own_shift=1)
+                self._allgather_ring(flat, split_offsets(flat.size, self.size), shift=1)
 
     def _allreduce_direct(self, flat: np.ndarray, op: ReduceOp) -> None:
         ufunc = reduction_ufunc(op, flat.dtype)
-        mine = _bytes_of(flat)
+        mine = bytes_of(flat)
         for peer in self._ring_order():
             self._send_now(peer, mine)
         received: dict[int, np.ndarray] = {}
         for peer in self._ring_order(reverse=True):
             tmp = np.empty_like(flat)
-            self._recv_into(peer, _bytes_of(tmp))
+            self._recv_into(peer, bytes_of(tmp))
             received[peer] = tmp
         received[self._rank] = flat
         # Reduce in rank order on every rank so every rank ends with the same bits.
@@ -237,9 +233,9 @@ class TcpCommunicator(Communicator):
         ufunc = reduction_ufunc(op, src.dtype)
         itemsize = src.itemsize
         next_sock = self._peers[nxt]
-        src_bytes, work_bytes = _bytes_of(src), _bytes_of(work)
+        src_bytes, work_bytes = bytes_of(src), bytes_of(work)
         scratch = np.empty(max(1, self.chunk_bytes // itemsize), dtype=src.dtype)
-        scratch_bytes = _bytes_of(scratch)
+        scratch_bytes = bytes_of(scratch)
 
         first = (r + own_shift - 1) % n
         for lo, hi in self._chunks(offsets[first], offsets[first + 1], itemsize):
@@ -261,7 +257,7 @@ class TcpCommunicator(Communicator):
         nxt, prv = (r + 1) % n, (r - 1) % n
         itemsize = buf.itemsize
         next_sock = self._peers[nxt]
-        data = _bytes_of(buf)
+        data = bytes_of(buf)
         own = (r + shift) % n
         for lo, hi in self._chunks(offsets[own], offsets[own + 1], itemsize):
             self._sender.send(next_sock, data[lo * itemsize : hi * itemsize])
@@ -288,7 +284,7 @@ class TcpCommunicator(Communicator):
                 f"rank {self.global_rank}: send buffer holds {send.size} elements but counts says "
                 f"{counts[self._rank]}"
             )
-        offsets = _offsets(counts)
+        offsets = count_offsets(counts)
         if recv.size != offsets[-1]:
             raise ValueError(f"receive buffer holds {recv.size} elements; counts add up to {offsets[-1]}")
         flat = recv.reshape(-1)
@@ -297,7 +293,7 @@ class TcpCommunicator(Communicator):
             return
         with self._guard("allgather"):
             if self._use_direct(flat.nbytes):
-                data = _bytes_of(flat)
+                data = bytes_of(flat)
                 isz = flat.itemsize
                 mine = data[offsets[self._rank] * isz : offsets[self._rank + 1] * isz]
                 for peer in self._ring_order():
@@ -315,7 +311,7 @@ class TcpCommunicator(Communicator):
         check_root(root, self.size)
         if self.size == 1 or buf.size == 0:
             return
-        data = _bytes_of(buf)
+        data = bytes_of(buf)
         with self._guard("broadcast"):
             if self._use_direct(buf.nbytes):
                 if self._rank == root:
@@ -352,7 +348,7 @@ class TcpCommunicator(Communicator):
             raise TypeError(f"send dtype {send.dtype} and receive dtype {recv.dtype} differ")
         send_counts = check_counts(send_counts, self.size, "send_counts")
         recv_counts = check_counts(recv_counts, self.size, "recv_counts")
-        soff, roff = _offsets(send_counts), _offsets(recv_counts)
+        soff, roff = count_offsets(send_counts), count_offsets(recv_counts)
         if send.size != soff[-1]:
             raise ValueError(f"send buffer holds {send.size} elements; send_counts add up to {soff[-1]}")
         if recv.size != roff[-1]:
@@ -367,7 +363,7 @@ class TcpCommunicator(Communicator):
         if self.size == 1:
             return
         isz = send.itemsize
-        sdata, rdata = _bytes_of(sflat), _bytes_of(rflat)
+        sdata, rdata = bytes_of(sflat), bytes_of(rflat)
         with self._guard("alltoall"):
             # Step k: send to rank+k, receive from rank-k; the global step order prevents deadlock.
             for peer in self._ring_order():
@@ -387,7 +383,7 @@ class TcpCommunicator(Communicator):
         if recv.dtype != send.dtype:
             raise TypeError(f"send dtype {send.dtype} and receive dtype {recv.dtype} differ")
         counts = check_counts(counts, self.size, "counts")
-        offsets = _offsets(counts)
+        offsets = count_offsets(counts)
         if send.size != offsets[-1]:
             raise ValueError(f"send buffer holds {send.size} elements; counts add up to {offsets[-1]}")
         if recv.size != counts[self._rank]:
@@ -413,14 +409,14 @@ class TcpCommunicator(Communicator):
     ) -> None:
         ufunc = reduction_ufunc(op, sflat.dtype)
         isz = sflat.itemsize
-        sdata = _bytes_of(sflat)
+        sdata = bytes_of(sflat)
         for peer in self._ring_order():
             self._send_now(peer, sdata[offsets[peer] * isz : offsets[peer + 1] * isz])
         lo, hi = offsets[self._rank], offsets[self._rank + 1]
         parts: dict[int, np.ndarray] = {self._rank: sflat[lo:hi]}
         for peer in self._ring_order(reverse=True):
             tmp = np.empty(hi - lo, dtype=sflat.dtype)
-            self._recv_into(peer, _bytes_of(tmp))
+            self._recv_into(peer, bytes_of(tmp))
             parts[peer] = tmp
         rflat[...] = parts[0]
         for r in range(1, self.size):
