@@ -45,10 +45,6 @@ class Topology:
         """Whether every host runs the same number of members."""
         return len({len(g) for g in self.hosts()}) == 1
 
-    def same_host(self, members: list[int]) -> bool:
-        """Whether every one of ``members`` (member indices) runs on one host."""
-        return len({self.machines[m] for m in members}) == 1
-
 
 def exchange_topology(rank: int, members: list[int], store: RendezvousClient, scope: str,
                       timeout: float, machine: str | None = None) -> Topology:
