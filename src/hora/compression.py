@@ -1,9 +1,9 @@
-"""Gradient compression for hora.tensorflow and hora.keras (Horovod's ``Compression`` namespace).
+"""Gradient compression for every binding (Horovod's ``Compression`` namespace).
 
-One implementation serves TensorFlow tensors, the tensors of whichever Keras backend is active
-(TensorFlow, torch, ...) and NumPy arrays, so ``hvd.Compression.fp16`` means the same thing in
-``hora.tensorflow`` and in ``hora.keras`` on every backend, and importing it imports no framework:
-the cast is looked up from the tensor's own type when a tensor arrives.
+One implementation serves torch tensors, TensorFlow tensors, the tensors of whichever Keras backend
+is active and NumPy arrays, so ``hvd.Compression.fp16`` means the same thing in ``hora.torch``,
+``hora.tensorflow`` and ``hora.keras`` on every backend. Importing it imports no framework: the cast
+is looked up from the tensor's own type when a tensor arrives (that framework is loaded by then).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _dtype_name(tensor: Any) -> str:
-    """'float32', 'int64', ... for a NumPy array, a tf.Tensor or a backend tensor."""
+    """'float32', 'int64', ... for a NumPy array, a torch or tf.Tensor, or a backend tensor."""
     dtype = tensor.dtype
     name = getattr(dtype, "name", None)
     return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
@@ -26,6 +26,10 @@ def _cast(tensor: Any, dtype: str) -> Any:
     """``tensor`` as ``dtype``, with the framework that owns it (never importing another one)."""
     if isinstance(tensor, (np.ndarray, np.generic)):
         return np.asarray(tensor).astype(dtype)
+    if type(tensor).__module__.startswith("torch"):
+        import torch
+
+        return tensor.to(getattr(torch, dtype))
     if type(tensor).__module__.startswith("tensorflow"):
         import tensorflow as tf
 

@@ -82,7 +82,7 @@ def _tf_sections() -> list:
         return {"nested_v": nested["v"].numpy(), "unused_is_none": nested["unused"] is None,
                 "again": again[0].numpy(), "class": type(dtape).__name__,
                 "is_tape": isinstance(dtape, tf.GradientTape),
-                "rewrapped_once": type(twice).__mro__[2] is tf.GradientTape,
+                "rewrapped_once": type(twice).__bases__[-1] is tf.GradientTape,  # the plain class, wrapped once
                 "twice": twice.gradient(loss, [v])[0].numpy()}
 
     def tape_local_sources():

@@ -169,6 +169,35 @@ def test_wrappers_need_init_first(uninitialised):
         hk.DistributedOptimizer(object())
 
 
+def test_groups_with_num_groups_warns_and_groups_wins_in_every_wrapper(uninitialised):
+    """Horovod warns (DeprecationWarning, at the caller's line) in every binding and uses ``groups``."""
+    import warnings
+
+    import keras
+    import tensorflow as tf
+
+    hora.init()
+    try:
+        wrappers = {
+            "tape": lambda: htf.DistributedGradientTape(tf.GradientTape(), num_groups=2, groups=1),
+            "keras": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), num_groups=2, groups=1),
+            "tensorflow.keras": lambda: htf.DistributedOptimizer(keras.optimizers.SGD(), num_groups=2, groups=1),
+            "tensorflow.v1": lambda: htf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                               num_groups=2, groups=1),
+        }
+        for kind, make in wrappers.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrapped = make()
+            about = [w for w in caught if "num_groups" in str(w.message)]
+            assert [w.category for w in about] == [DeprecationWarning], kind
+            assert about[0].filename == __file__, (kind, about[0].filename)
+            reducer = wrapped._hora.reducer if kind.endswith("keras") else wrapped._hora_allreducer
+            assert reducer.groups == 1, kind
+    finally:
+        hora.shutdown()
+
+
 # ---- framework isolation: a fresh interpreter per check --------------------------------------------
 
 

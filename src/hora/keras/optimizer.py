@@ -1,222 +1,26 @@
-"""hora.keras.DistributedOptimizer: a Keras 3 optimizer whose updates use gradients averaged across ranks.
+"""hora.keras.DistributedOptimizer and load_model: Keras 3 optimizers whose updates use gradients
+averaged across ranks, on whichever backend Keras runs.
 
-Keras 3 funnels every update through ``optimizer.apply(grads, variables)`` (``apply_gradients``
-and ``model.fit``'s ``train_step`` both call it), so the wrapper overrides that one method: it
-reduces the gradients, then lets the wrapped class apply them. On the TensorFlow backend the
-reduction is one op that also runs inside the ``tf.function`` Keras compiles ``train_step`` into;
-on other backends whose steps run eagerly (torch) the gradients pass through NumPy.
-
-With ``backward_passes_per_step`` k > 1, gradients are summed locally in variables for k calls (or
-averaged, with ``average_aggregated_gradients``), and every k-th call reduces the sum across ranks
-and applies it; the calls in between only count the optimizer's ``iterations``, as in Horovod.
+The wrapper itself is :mod:`hora.keras_wrapper`, which hora.tensorflow uses too. On the TensorFlow
+backend the reduction is hora.tensorflow's (one op inside the step Keras compiles); imported here
+only then, so hora.keras on the torch backend never imports TensorFlow.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import keras
-import numpy as np
 
-from hora import basics, batched
+from hora import horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
-from hora.batched import GradientReduction
+from hora.keras_wrapper import is_distributed, wrap
 
-Reducer = Callable[[Sequence[Any], Sequence[Any]], list]
-
-
-class _NumpyAllreducer:
-    """The reduction for Keras backends that run the step eagerly: tensors to NumPy and back."""
-
-    def __init__(self, prefix: str, compression, op: int, gradient_predivide_factor: float, groups: Any,
-                 process_set: ProcessSet) -> None:
-        self.reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
-        self.prefix, self.compression, self.groups = prefix, compression, groups
-
-    def __call__(self, grads: Sequence[Any], sources: Sequence[Any]) -> list:
-        packed = [(None, None) if g is None else self.compression.compress(g) for g in grads]
-        arrays = [None if c is None else np.asarray(keras.ops.convert_to_numpy(c)) for c, _ in packed]
-        names = batched.gradient_names(self.prefix, len(arrays))
-        groups = batched.group_indices(self.groups, sources)
-        results = batched.reduce_arrays(arrays, names, self.reduction, groups)
-        return [None if r is None else self.compression.decompress(keras.ops.convert_to_tensor(r), ctx)
-                for r, (_, ctx) in zip(results, packed)]
-
-
-def make_reducer(prefix: str, device_dense: str, device_sparse: str, compression, sparse_as_dense: bool, op: int,
-                 gradient_predivide_factor: float, groups: Any, process_set: ProcessSet) -> Reducer:
-    """The gradient reduction for the active Keras backend."""
-    if keras.backend.backend() == "tensorflow":
-        from hora.tensorflow.gradients import GradientAllreducer
-
-        return GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                  gradient_predivide_factor, groups, process_set)
-    if keras.backend.backend() == "jax":
-        raise NotImplementedError("hora.keras supports the tensorflow and torch Keras backends; the jax backend "
-                                  "compiles train_step with jax.jit, which cannot call into hora's engine")
-    return _NumpyAllreducer(prefix, compression, op, gradient_predivide_factor, groups, process_set)
-
-
-class _LocalAggregation:
-    """Gradient sums kept across ``passes`` calls (Horovod's local gradient aggregation)."""
-
-    def __init__(self, passes: int, average: bool) -> None:
-        self.passes, self.average = passes, average
-        self.counter: keras.Variable | None = None
-        self.sums: list[keras.Variable] = []
-
-    def build(self, variables: Sequence[keras.Variable]) -> None:
-        # Held here, not as optimizer attributes: the optimizer's saved variables stay the wrapped
-        # class's own, so checkpoints load with or without hora.
-        self.counter = keras.Variable(0, dtype="int32", trainable=False, name="hora_aggregation_counter")
-        self.sums = [keras.Variable(keras.ops.zeros(v.shape, v.dtype), trainable=False, name="hora_aggregated_grad")
-                     for v in variables]
-
-    def step(self, optimizer: Any, grads: list, variables: list, update: Callable[[list], None]) -> None:
-        """Add ``grads`` to the sums; on every ``passes``-th call, ``update`` with the sums and reset."""
-        sums = [self.sums[optimizer._get_variable_index(v)] for v in variables]
-        for total, grad in zip(sums, grads):
-            if grad is not None:
-                total.assign_add(keras.ops.convert_to_tensor(grad))  # IndexedSlices are summed densely
-        self.counter.assign_add(1)
-
-        def reduce_and_apply() -> None:
-            values = [keras.ops.convert_to_tensor(s) if g is not None else None for s, g in zip(sums, grads)]
-            if self.average:
-                values = [v / self.passes if v is not None else None for v in values]
-            update(values)
-            for total in sums:
-                total.assign(keras.ops.zeros(total.shape, total.dtype))
-            self.counter.assign(0)
-
-        def count_only() -> None:
-            optimizer._iterations.assign_add(1)
-
-        keras.ops.cond(keras.ops.equal(self.counter, self.passes), reduce_and_apply, count_only)
-
-
-def _scaled(grad: Any, scale: float) -> Any:
-    if type(grad).__name__ == "IndexedSlices":  # TensorFlow's, without importing TensorFlow here
-        return type(grad)(grad.values * scale, grad.indices, grad.dense_shape)
-    return grad * scale
-
-
-class _HoraSettings:
-    """What the wrapper adds to the optimizer; a plain object, so Keras does not track it."""
-
-    def __init__(self, reducer: Reducer, passes: int, average_aggregated: bool,
-                 local_scale: float | None) -> None:
-        self.reducer = reducer
-        self.aggregation = _LocalAggregation(passes, average_aggregated) if passes > 1 else None
-        self.local: dict[int, Any] = {}  # id -> variable registered with register_local_var (kept alive)
-        self.local_scale = local_scale  # what local gradients are multiplied by (None: left as they are)
-
-    def reduce(self, grads: list, variables: list) -> list:
-        """``grads`` reduced across ranks, except those of local variables: this rank's own (scaled)."""
-        if not self.local:
-            return self.reducer(grads, variables)
-        is_local = [id(v) in self.local for v in variables]
-        shared = [i for i, local in enumerate(is_local) if not local]
-        out = list(grads)
-        if shared:
-            for i, g in zip(shared, self.reducer([grads[i] for i in shared], [variables[i] for i in shared])):
-                out[i] = g
-        if self.local_scale is not None:
-            out = [_scaled(g, self.local_scale) if local and g is not None else g for g, local in zip(out, is_local)]
-        return out
-
-
-class _DistributedOptimizer:
-    """Mixed in before the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
-
-    _hora: _HoraSettings
-
-    def register_local_var(self, var) -> None:
-        """Keep ``var``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
-        the default, it is divided by the process set's size, as Horovod does). Register before the
-        first step: a step already traced into a ``tf.function`` keeps the split it was traced with."""
-        self._hora.local[id(var)] = var
-
-    def build(self, variables):
-        super().build(variables)
-        if self._hora.aggregation is not None:
-            self._hora.aggregation.build(variables)
-
-    def apply(self, grads, trainable_variables=None):
-        """Reduce ``grads`` across ranks (every ``backward_passes_per_step`` calls), then apply them."""
-        grads = list(grads)
-        if not grads:
-            return None
-        if trainable_variables is None:
-            variables = list(self._trainable_variables)
-        else:
-            variables = list(trainable_variables)
-            if not self.built:  # as Keras does, but before any branch: variables cannot be made in one
-                with keras.name_scope(self.name, caller=self):
-                    self.build(variables)
-
-        def update(values: list) -> None:
-            reduced = self._hora.reduce(values, variables)
-            super(_DistributedOptimizer, self).apply(reduced, None if trainable_variables is None else variables)
-
-        if self._hora.aggregation is None:
-            update(grads)
-        else:
-            self._hora.aggregation.step(self, grads, variables, update)
-        return None
-
-
-def is_distributed(optimizer: Any) -> bool:
-    """Whether ``optimizer`` came out of :func:`DistributedOptimizer` (or :func:`load_model`)."""
-    return isinstance(optimizer, _DistributedOptimizer)
-
-
-def distributed_class(base: type) -> type:
-    """The wrapped class: named and placed like ``base``, so saved models record ``base`` and load anywhere."""
-    if issubclass(base, _DistributedOptimizer):
-        base = next(c for c in base.__mro__[1:] if not issubclass(c, _DistributedOptimizer))
-    return type(base.__name__, (_DistributedOptimizer, base),
-                {"__module__": base.__module__, "__qualname__": base.__qualname__})
-
-
-def wrap(optimizer: Any, in_place: bool, name: str | None = None, device_dense: str = "", device_sparse: str = "",
-         compression=Compression.none, sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-         op: int = Average, backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-         groups: Any = None, process_set: ProcessSet = global_process_set,
-         scale_local_gradients: bool = True) -> Any:
-    """Make ``optimizer`` distributed: a new object sharing its state, or (``in_place``) itself."""
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"hora.keras.DistributedOptimizer wraps a keras.optimizers.Optimizer, "
-                        f"got {type(optimizer).__name__}")
-    basics.engine()  # fail early, with the init() message, when hora is not initialised
-    passes = batched.check_passes(backward_passes_per_step)
-    if optimizer.gradient_accumulation_steps:
-        raise ValueError("the optimizer accumulates gradients itself (gradient_accumulation_steps); use "
-                         "backward_passes_per_step of DistributedOptimizer instead, so the sums are reduced")
-    if (keras.mixed_precision.global_policy().name == "mixed_float16"
-            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
-        # compile() would wrap this optimizer in a LossScaleOptimizer, whose overflow check then runs
-        # on each rank's own gradients before they are averaged: ranks would disagree on skipping a
-        # step and fall out of step. Wrapped here, inside, the check sees the averaged gradients,
-        # so every rank skips together (and compile leaves a LossScaleOptimizer alone).
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    cls = distributed_class(type(optimizer))
-    prefix = name if name is not None else f"Distributed{cls.__name__}"
-    reducer = make_reducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
-                           gradient_predivide_factor, groups, process_set)
-    if in_place:
-        wrapped = optimizer
-        wrapped.__class__ = cls
-    else:
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(optimizer.__dict__)
-    local_scale = 1.0 / process_set.size() if scale_local_gradients else None
-    object.__setattr__(wrapped, "_hora", _HoraSettings(reducer, passes, bool(average_aggregated_gradients),
-                                                       local_scale))
-    if wrapped.built and passes > 1:
-        wrapped._hora.aggregation.build(list(wrapped._trainable_variables))
-    return wrapped
+if keras.backend.backend() == "tensorflow":
+    from hora.tensorflow.gradients import GradientAllreducer as _tensorflow_reducer
+else:
+    _tensorflow_reducer = None
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
@@ -238,8 +42,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     variable's gradient on each rank, unreduced; with ``scale_local_gradients`` (the default) it is
     divided by the process set's size, as in Horovod.
     """
-    groups = batched.check_groups(num_groups, groups)
-    return wrap(optimizer, False, name, device_dense, device_sparse, compression, sparse_as_dense,
+    groups = horovod_args.resolve_groups(num_groups, groups)
+    return wrap(optimizer, False, _tensorflow_reducer, name, device_dense, device_sparse, compression, sparse_as_dense,
                 gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
                 process_set, scale_local_gradients)
 
@@ -261,5 +65,5 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None, c
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.Optimizer) and not is_distributed(optimizer):
-        wrap(optimizer, True, compression=compression)
+        wrap(optimizer, True, _tensorflow_reducer, compression=compression)
     return model

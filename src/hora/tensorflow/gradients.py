@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from hora import batched
+from hora import basics, batched, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
-from hora.batched import GradientReduction
+from hora.horovod_args import GradientReduction
 from hora.tensorflow.tensors import leading_unknown, run_numpy, to_tensor
 
 
@@ -25,7 +25,7 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
                    sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "") -> list[Any]:
     """Reduce each gradient of ``grads`` across ranks; ``None`` stays ``None`` (and is not sent).
 
-    ``groups`` are positions (see :func:`hora.batched.group_indices`). IndexedSlices come
+    ``groups`` are positions (see :func:`hora.horovod_args.group_positions`). IndexedSlices come
     back as IndexedSlices holding every rank's rows (values scaled as the op says), unless
     ``sparse_as_dense`` reduces them as dense tensors.
     """
@@ -86,16 +86,16 @@ class GradientAllreducer:
                  sparse_as_dense: bool = False, op: int = Average, gradient_predivide_factor: float = 1.0,
                  groups: Any = None, process_set: ProcessSet = global_process_set) -> None:
         self.reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
+        self.compression = horovod_args.check_compression(compression)
         self.prefix = prefix
         self.device_dense, self.device_sparse = device_dense, device_sparse
-        self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.groups = groups
 
     def __call__(self, grads: Sequence[Any], sources: Sequence[Any] | None = None) -> list[Any]:
         grads = list(grads)
         names = batched.gradient_names(self.prefix, len(grads))
-        groups = batched.group_indices(self.groups, sources)
+        groups = horovod_args.group_positions(self.groups, sources)
         return allreduce_list(grads, names, self.reduction, groups, self.compression, self.sparse_as_dense,
                               self.device_dense, self.device_sparse)
 
@@ -124,25 +124,41 @@ def reduce_keeping_local(allreducer: GradientAllreducer, grads: Sequence[Any], s
     return reduced
 
 
-class _DistributedGradientTape:
-    """Mixed into the wrapped tape's own class (see :func:`DistributedGradientTape`)."""
+class ReducesGradients:
+    """What the TensorFlow gradient wrappers (the tape, the TensorFlow 1 optimizer) mix in: their
+    allreducer, and the sources whose gradients stay on this rank (Horovod's
+    ``register_local_source`` / ``register_local_var``, with ``scale_local_gradients``)."""
 
     _hora_allreducer: GradientAllreducer
     _hora_local: set  # refs of sources whose gradients stay on this rank
     _hora_local_scale: float | None  # what their gradients are multiplied by, if anything
 
+    def _hora_bind(self, allreducer: GradientAllreducer, local: set, scale_local_gradients: bool,
+                   process_set: ProcessSet) -> None:
+        self._hora_allreducer = allreducer
+        self._hora_local = set(local)
+        self._hora_local_scale = 1.0 / process_set.size() if scale_local_gradients else None
+
+    def _hora_keep_local(self, source) -> None:
+        self._hora_local.add(source.ref())
+
+    def _hora_reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None) -> list[Any]:
+        return reduce_keeping_local(self._hora_allreducer, grads, sources, self._hora_local, self._hora_local_scale)
+
+
+class _DistributedGradientTape(ReducesGradients):
+    """Mixed into the wrapped tape's own class (see :func:`DistributedGradientTape`)."""
+
     def register_local_source(self, source) -> None:
         """Keep ``source``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
         the default, it is divided by the process set's size, as Horovod does)."""
-        self._hora_local.add(source.ref())
+        self._hora_keep_local(source)
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         """The tape's gradients, averaged (or summed, ...) across ranks."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
-        reduced = reduce_keeping_local(self._hora_allreducer, tf.nest.flatten(grads), tf.nest.flatten(sources),
-                                       self._hora_local, self._hora_local_scale)
-        return tf.nest.pack_sequence_as(grads, reduced)
+        return tf.nest.pack_sequence_as(grads, self._hora_reduce(tf.nest.flatten(grads), tf.nest.flatten(sources)))
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
@@ -161,19 +177,17 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     """
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
-    from hora import basics
-
+    groups = horovod_args.resolve_groups(num_groups, groups)
     basics.engine()  # fail early, with the init() message, when hora is not initialised
-    groups = batched.check_groups(num_groups, groups)
     allreducer = GradientAllreducer("DistributedGradientTape", device_dense, device_sparse, compression,
                                     sparse_as_dense, op, gradient_predivide_factor, groups, process_set)
     base = gradtape.__class__
     if isinstance(gradtape, _DistributedGradientTape):
-        base = base.__mro__[2]  # wrapping twice would average twice: rewrap the plain tape's class
+        # wrapping twice would average twice: rewrap the plain tape's class
+        base = next(c for c in base.__mro__ if issubclass(c, tf.GradientTape)
+                    and not issubclass(c, _DistributedGradientTape))
     cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(gradtape.__dict__)
-    wrapped._hora_allreducer = allreducer
-    wrapped._hora_local = set(getattr(gradtape, "_hora_local", ()))
-    wrapped._hora_local_scale = 1.0 / process_set.size() if scale_local_gradients else None
+    wrapped._hora_bind(allreducer, getattr(gradtape, "_hora_local", ()), scale_local_gradients, process_set)
     return wrapped

@@ -21,7 +21,7 @@ import tensorflow as tf
 from hora import basics, batched, collectives
 from hora.basics import Average, ProcessSet, Sum, global_process_set
 from hora.compression import Compression
-from hora.batched import GradientReduction, members, set_size
+from hora.horovod_args import GradientReduction, check_sum_or_average, resolve_op
 from hora.tensorflow.gradients import allreduce_list
 from hora.tensorflow.tensors import leading_unknown, run_numpy, to_tensor
 
@@ -69,7 +69,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
               postscale_factor: float = 1.0, name: str | None = None,
               process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> Any:
     """Reduce ``tensor`` across ranks (Average by default); an IndexedSlices is gathered instead."""
-    op = collectives.resolve_op(op, average)
+    op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         reduction = GradientReduction(op, float(prescale_factor), float(postscale_factor), process_set)
         return allreduce_list([tensor], [name], reduction, device_sparse=device_sparse)[0]
@@ -88,7 +88,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     compressed and reduced together; each IndexedSlices comes back as an IndexedSlices holding every
     rank's values and indices (values divided by the set size for Average; Sum and Average only).
     """
-    op = collectives.resolve_op(op, average)
+    op = resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
         return []
@@ -122,7 +122,7 @@ def _gather_grad(dys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], process_set:
         summed = collectives.grouped_allreduce(list(arrays[:half]), op=Average, process_set=process_set)
         dims = collectives.allgather(np.concatenate([np.asarray(a, np.int64).reshape(1) for a in arrays[half:]])
                                      .reshape(1, -1), process_set=process_set)
-        me = members(process_set).index(basics.rank())
+        me = process_set.ranks.index(basics.rank())
         offsets = dims[:me].sum(0)
         return [g[o:o + int(n)] for g, o, n in zip(summed, offsets, dims[me])]
 
@@ -209,7 +209,7 @@ def _alltoall(x: tf.Tensor, splits: tf.Tensor | None, name: str | None, process_
         output, received = collectives.alltoall_async(array, split_array, name, process_set).wait()
         return [output, np.asarray(received, np.int32)]
 
-    return run_numpy(body, inputs, [x.dtype, tf.int32], [leading_unknown(x.shape), [len(members(process_set))]],
+    return run_numpy(body, inputs, [x.dtype, tf.int32], [leading_unknown(x.shape), [len(process_set.ranks)]],
                      name="HoraAlltoall")
 
 
@@ -240,15 +240,10 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
 
 def _scatter_shape(x: tf.Tensor, process_set: ProcessSet) -> Any:
     rows = x.shape[0] if x.shape.rank else None
-    count = len(members(process_set))
+    count = len(process_set.ranks)
     if rows is not None and rows % count == 0:
         return [rows // count] + x.shape.as_list()[1:]
     return leading_unknown(x.shape)
-
-
-def _check_scatter_op(op: int) -> None:
-    if op not in (Average, Sum):  # checked here too, so that tracing fails rather than the first run
-        raise ValueError("reducescatter supports op=Average and op=Sum only")
 
 
 def _reducescatter_many(tensors: Sequence[tf.Tensor], name: str | None, op: int, process_set: ProcessSet,
@@ -266,7 +261,7 @@ def _reducescatter_many(tensors: Sequence[tf.Tensor], name: str | None, op: int,
         def grad(*dys):
             # Horovod's convention: gather the blocks' gradients, scaled as the forward pass scaled
             # (times the set size for Sum; Average passes them through).
-            scale = pre * post * (set_size(process_set) if op == Sum else 1)
+            scale = pre * post * (len(process_set.ranks) if op == Sum else 1)
             gathered = _allgather_many([_upstream(d, y) for d, y in zip(dys, ys)], None, process_set, grouped)
             return [tf.reshape(g * tf.cast(scale, g.dtype) if scale != 1.0 else g, tf.shape(x))
                     for g, x in zip(gathered, xs)]
@@ -281,7 +276,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.n
                   ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce across ranks (Sum or Average) and keep this rank's block of rows."""
-    _check_scatter_op(op)
+    op = check_sum_or_average(op, "reducescatter")  # here too, so that tracing fails rather than the first run
     return _compressed([tensor], device_dense, compression, lambda xs: _reducescatter_many(
         xs, name, op, process_set, prescale_factor, postscale_factor, False))[0]
 
@@ -290,7 +285,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
                           op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, name: str | None = None) -> list[tf.Tensor]:
     """Reducescatter each tensor of the list, as one fused unit."""
-    _check_scatter_op(op)
+    op = check_sum_or_average(op, "reducescatter")
     tensors = list(tensors)
     if not tensors:
         return []

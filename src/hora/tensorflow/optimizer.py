@@ -1,7 +1,8 @@
 """hora.tensorflow.DistributedOptimizer: horovod.tensorflow's optimizer wrapper on TensorFlow 2.
 
 In TensorFlow 2.16+ ``tf.keras`` is Keras 3, so the optimizers a TensorFlow 2 script uses are
-Keras optimizers: they are wrapped exactly as :func:`hora.keras.DistributedOptimizer` wraps them.
+Keras optimizers: they are wrapped by :mod:`hora.keras_wrapper`, as :func:`hora.keras.DistributedOptimizer`
+wraps them.
 TensorFlow 1 style ``tf.compat.v1.train.Optimizer`` subclasses are wrapped too: their
 ``compute_gradients`` (and so ``minimize``) returns gradients averaged across ranks.
 """
@@ -10,41 +11,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
 
-from hora import basics, batched
+from hora import basics, horovod_args, keras_wrapper
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
-from hora.tensorflow.gradients import GradientAllreducer, reduce_keeping_local
+from hora.tensorflow.gradients import GradientAllreducer, ReducesGradients
 
 
-class _DistributedV1Optimizer:
+class _DistributedV1Optimizer(ReducesGradients):
     """Mixed in before a ``tf.compat.v1.train.Optimizer`` subclass."""
-
-    _hora_allreducer: GradientAllreducer
-    _hora_local: set  # refs of variables whose gradients stay on this rank
-    _hora_local_scale: float | None  # what their gradients are multiplied by, if anything
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
         the default, it is divided by the process set's size, as Horovod does)."""
-        self._hora_local.add(var.ref())
+        self._hora_keep_local(var)
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's (gradient, variable) pairs, gradients averaged across ranks."""
         pairs = super().compute_gradients(*args, **kwargs)
         variables = [v for _, v in pairs]
-        grads = reduce_keeping_local(self._hora_allreducer, [g for g, _ in pairs], variables, self._hora_local,
-                                     self._hora_local_scale)
+        grads = self._hora_reduce([g for g, _ in pairs], variables)
         return list(zip(grads, variables))
-
-
-def _is_keras_optimizer(optimizer: Any) -> bool:
-    if not type(optimizer).__module__.startswith("keras"):
-        return False  # not imported just to find out: a TF1 optimizer script may never load Keras
-    import keras
-
-    return isinstance(optimizer, keras.optimizers.Optimizer)
 
 
 def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False, device_dense: str = "",
@@ -61,30 +50,28 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     unreduced; with ``scale_local_gradients`` (the default) it is divided by the process set's size,
     as in Horovod.
     """
-    if _is_keras_optimizer(optimizer):
-        from hora.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
-
-        return keras_distributed_optimizer(
-            optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
-            sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
-            backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
-            process_set=process_set, scale_local_gradients=scale_local_gradients)
+    groups = horovod_args.resolve_groups(num_groups, groups)
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return keras_wrapper.wrap(
+            optimizer, False, GradientAllreducer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+            compression=compression, sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor, op=op, backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
+            scale_local_gradients=scale_local_gradients)
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (tf.keras.optimizers.*) or a "
                         f"tf.compat.v1.train.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__name__}")
-    if batched.check_passes(backward_passes_per_step) != 1:
+    if horovod_args.backward_passes(backward_passes_per_step) != 1:
         raise NotImplementedError("backward_passes_per_step > 1 needs a Keras optimizer; hora does not aggregate "
                                   "gradients locally for tf.compat.v1.train optimizers")
     basics.engine()  # fail early, with the init() message, when hora is not initialised
-    groups = batched.check_groups(num_groups, groups)
+    compression = horovod_args.check_compression(compression)
     base = type(optimizer)
     prefix = name if name is not None else f"Distributed{base.__name__}"
     cls = type(base.__name__, (_DistributedV1Optimizer, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._hora_allreducer = GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense,
-                                                  op, gradient_predivide_factor, groups, process_set)
-    wrapped._hora_local = set()
-    wrapped._hora_local_scale = 1.0 / process_set.size() if scale_local_gradients else None
+    wrapped._hora_bind(GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                          gradient_predivide_factor, groups, process_set),
+                       set(), scale_local_gradients, process_set)
     return wrapped

@@ -3,41 +3,7 @@
 
 from __future__ import annotations
 
-from hora.basics import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ProcessSet,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
 from hora.torch.compression import Compression
 from hora.torch.functions import (
     allgather_object,

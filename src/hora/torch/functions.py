@@ -9,6 +9,7 @@ import torch
 from hora import collectives
 from hora.basics import ProcessSet, global_process_set
 from hora.torch import mpi_ops
+from hora.torch.optimizer import _DistributedOptimizer
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int) -> None:
@@ -31,13 +32,11 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
         mpi_ops.synchronize(handle)
 
 
-def _is_distributed(optimizer: torch.optim.Optimizer) -> bool:
-    return hasattr(optimizer, "_hora_setup")
-
-
 def _base_step(optimizer: torch.optim.Optimizer) -> None:
-    if _is_distributed(optimizer):
-        super(optimizer.__class__, optimizer).step()  # no allreduce: gradients are all zero anyway
+    if isinstance(optimizer, _DistributedOptimizer):
+        # The wrapped class's own step, past the wrapper in the MRO: no allreduce (the gradients are
+        # all zero anyway), and right however the wrapped class was subclassed since.
+        super(_DistributedOptimizer, optimizer).step()
     else:
         optimizer.step()
 

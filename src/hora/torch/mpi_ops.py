@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from hora import basics, collectives
+from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, Sum, global_process_set
 from hora.engine.request import Handle
 from hora.torch.compression import Compression
@@ -109,7 +109,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 
 def _op_for_grad(average: bool | None, op: int | None) -> int:
-    return collectives.resolve_op(op, average)
+    return horovod_args.resolve_op(op, average)
 
 
 class _AllreduceFunction(torch.autograd.Function):
@@ -197,10 +197,6 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     return TorchHandle(collectives.allgather_async(as_array(tensor), name, process_set), _new_tensor(tensor))
 
 
-def _set_ranks(process_set: ProcessSet) -> list[int]:
-    return global_process_set.ranks if process_set is global_process_set else process_set.ranks
-
-
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
@@ -213,7 +209,7 @@ class _AllgatherFunction(torch.autograd.Function):
         ps = ctx.process_set
         grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ps))
         dims = synchronize(allgather_async(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ps))
-        me = _set_ranks(ps).index(basics.rank())
+        me = ps.ranks.index(basics.rank())
         offset = int(dims[:me].sum())
         return grad.narrow(0, offset, ctx.dim), None, None
 
@@ -244,7 +240,7 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
         ps = ctx.process_set
         grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_outputs], op=Average, process_set=ps))
         dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ps))
-        me = _set_ranks(ps).index(basics.rank())
+        me = ps.ranks.index(basics.rank())
         offsets = dims[:me].sum(0).tolist()
         return (None, None, *[g.narrow(0, o, d) for g, o, d in zip(grads, offsets, ctx.dims)])
 
@@ -351,7 +347,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         op, ps, scale = ctx.args
         grad = synchronize(allgather_async(grad_output.contiguous(), process_set=ps))
         if op == Sum:  # Horovod's convention (same results after migrating): Sum scales by size,
-            scale *= len(_set_ranks(ps))  # Average passes the gathered gradient through
+            scale *= len(ps.ranks)  # Average passes the gathered gradient through
         return (grad * scale if scale != 1.0 else grad), None, None, None, None, None
 
 
@@ -386,7 +382,7 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
         op, ps, scale = ctx.args
         grads = synchronize(grouped_allgather_async([g.contiguous() for g in grad_outputs], process_set=ps))
         if op == Sum:  # Horovod's convention (same results after migrating): Sum scales by size,
-            scale *= len(_set_ranks(ps))  # Average passes the gathered gradient through
+            scale *= len(ps.ranks)  # Average passes the gathered gradient through
         return (None, None, None, None, None, *[g * scale if scale != 1.0 else g for g in grads])
 
 
@@ -405,9 +401,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
                            process_set: ProcessSet = global_process_set) -> SparseHandle:
     """Reduce a sparse COO tensor by gathering every rank's indices and values (Sum or Average)."""
-    op = collectives.resolve_op(op)
-    if op not in (Average, Sum):
-        raise ValueError("sparse_allreduce supports op=Average and op=Sum only")
+    op = horovod_args.check_sum_or_average(op, "sparse_allreduce")
     t = tensor.coalesce()
     indices = t.indices().t().contiguous()
     values = t.values().contiguous()
@@ -415,7 +409,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         collectives.allgather_async(as_array(indices), f"{name}.indices", process_set),
         collectives.allgather_async(as_array(values), f"{name}.values", process_set),
     ]
-    count = len(_set_ranks(process_set))
+    count = len(process_set.ranks)
 
     def finish(results: list[np.ndarray]) -> torch.Tensor:
         all_indices = from_array(results[0]).t()

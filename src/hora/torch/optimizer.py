@@ -14,8 +14,10 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from hora import basics
-from hora.basics import Adasum, Average, ProcessSet, global_process_set
+from hora import basics, collectives, horovod_args
+from hora.basics import Average, ProcessSet, global_process_set
+from hora.errors import HoraError
+from hora.horovod_args import GradientReduction
 from hora.torch import mpi_ops
 from hora.torch.compression import Compression
 
@@ -31,18 +33,19 @@ class _Pending:
 
 
 class _DistributedOptimizer:
-    """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`)."""
+    """Mixed in before the wrapped optimizer's own class (see :func:`DistributedOptimizer`).
 
-    def _hora_setup(self, named_parameters, compression, backward_passes_per_step: int, op: int,
-                    gradient_predivide_factor: float, groups, sparse_as_dense: bool,
-                    process_set: ProcessSet) -> None:
-        if op == Adasum:
-            raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor other than 1.0 needs op=Average")
+    Its methods reach the wrapped class with ``super()``, which follows the instance's MRO: a class
+    derived from the wrapped one (a library patching ``step``) still ends in the wrapped optimizer's
+    own ``step``, once.
+    """
+
+    def _hora_setup(self, named_parameters, compression, backward_passes_per_step: int,
+                    reduction: GradientReduction, groups, sparse_as_dense: bool) -> None:
+        process_set = reduction.process_set
         self._compression = compression
-        self._op = op
-        self._predivide = float(gradient_predivide_factor)
+        self._reduction = reduction
+        self._op = reduction.op
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
         # A rank outside the process set takes no part: no hooks, and synchronize() has nothing to do.
@@ -52,6 +55,8 @@ class _DistributedOptimizer:
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._names = self._parameter_names(named_parameters, all_params)
         self._requires_update = [p for p in all_params if p.requires_grad]
+        if isinstance(groups, int) and not self._excluded:
+            self._requires_update = self._in_reference_order(self._requires_update)
         self._groups = self._make_groups(groups)
         self._group_of = {p: i for i, g in enumerate(self._groups) for p in g}
         self._pending: dict[Any, _Pending] = {}  # parameter, or group index -> in-flight reduction
@@ -85,31 +90,29 @@ class _DistributedOptimizer:
                              f"(positions {unnamed[:10]}); pass model.named_parameters() of the same model")
         return by_param
 
+    def _in_reference_order(self, params: list) -> list:
+        """``params`` in the order the process set's first rank lists them (by name).
+
+        Groups are consecutive runs of this list, named after their first member, so every rank
+        must cut the same list: one whose model registers its parameters in another order would
+        otherwise reduce different tensors under one group name, or wait on names no peer submits.
+        Every rank gathers every rank's names, so a rank whose parameters differ raises on all ranks
+        alike instead of leaving the others waiting.
+        """
+        names = [self._names[p] for p in params]
+        every = collectives.allgather_object(names, process_set=self._process_set)
+        for other in every[1:]:
+            horovod_args.order_as_reference(other, every[0])  # the same error on every rank
+        order = horovod_args.order_as_reference(names, every[0])
+        return [params[i] for i in order]
+
     def _make_groups(self, groups) -> list[list]:
-        if groups is None or groups == 0:
+        if groups is None:
             return []
+        params = self._requires_update
         if isinstance(groups, int):
-            if groups < 0:
-                raise ValueError(f"groups must be a non-negative int or a list of parameter lists, got {groups}")
-            # Exactly ``groups`` groups (fewer only with fewer parameters), the first ones one
-            # parameter longer when the count does not divide evenly, as Horovod splits them.
-            params = self._requires_update
-            count = min(groups, len(params))
-            if count == 0:
-                return []
-            size, extra = divmod(len(params), count)
-            bounds = [i * size + min(i, extra) for i in range(count + 1)]
-            return [params[bounds[i] : bounds[i + 1]] for i in range(count)]
-        result = []
-        seen = set()
-        for group in groups:
-            members = [p for p in group if p.requires_grad]
-            if any(p in seen for p in members):
-                raise ValueError("a parameter appears in more than one group")
-            seen.update(members)
-            if members:
-                result.append(members)
-        return result
+            return horovod_args.split_evenly(params, groups)
+        return [[params[i] for i in group] for group in horovod_args.listed_groups(groups, params) if group]
 
     # ---- hooks and reductions -------------------------------------------------------------------
 
@@ -131,11 +134,6 @@ class _DistributedOptimizer:
                 self._start_group(key)
         else:
             self._start(p)
-
-    def _scales(self) -> tuple[float, float]:
-        if self._op == Average:
-            return 1.0 / self._predivide, self._predivide
-        return 1.0, 1.0
 
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
@@ -166,9 +164,9 @@ class _DistributedOptimizer:
             self._pending[p] = _Pending(handle, finish_sparse)
             return
         compressed, ctx = self._compression.compress(grad)
-        pre, post = self._scales()
-        handle = mpi_ops.allreduce_async_(compressed, name=name, op=self._op, prescale_factor=pre,
-                                          postscale_factor=post, process_set=self._process_set)
+        r = self._reduction
+        handle = mpi_ops.allreduce_async_(compressed, name=name, op=r.op, prescale_factor=r.prescale_factor,
+                                          postscale_factor=r.postscale_factor, process_set=r.process_set)
 
         def finish(result, p=p, ctx=ctx, compressed=compressed):
             if compressed is not p.grad:
@@ -181,12 +179,12 @@ class _DistributedOptimizer:
         if any(g.is_sparse for g in grads):
             raise ValueError("grouped allreduce does not take sparse gradients; pass sparse_as_dense=True")
         pairs = [self._compression.compress(g) for g in grads]
-        pre, post = self._scales()
+        r = self._reduction
         # Named after its first parameter, as Horovod does: two optimizers in one process (with
         # different named_parameters) then never share a name for groups of different shapes.
-        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=self._names[params[0]],
-                                                  op=self._op, prescale_factor=pre, postscale_factor=post,
-                                                  process_set=self._process_set)
+        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=self._names[params[0]], op=r.op,
+                                                  prescale_factor=r.prescale_factor,
+                                                  postscale_factor=r.postscale_factor, process_set=r.process_set)
 
         def finish(results, params=params, pairs=pairs):
             for p, result, (compressed, ctx) in zip(params, results, pairs):
@@ -229,12 +227,13 @@ class _DistributedOptimizer:
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without a preceding optimizer.synchronize() being "
-                              "needed: synchronize() was already called; use skip_synchronize() around "
-                              "step() after an explicit synchronize()", stacklevel=2)
+                # The text begins as Horovod's does: scripts filter this warning by it.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): every gradient is reduced a second time. Wrap step() in "
+                              "`with optimizer.skip_synchronize():` after an explicit synchronize().", stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         # Pending reductions, or gradients of a step part-way through local accumulation (the
@@ -243,12 +242,31 @@ class _DistributedOptimizer:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        return super().zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load optimizer state, and start the next step afresh, as Horovod does: reductions still in
+        flight are finished and dropped (their results belong to the state being replaced, and their
+        names must be free for the next step), and every parameter waits for
+        ``backward_passes_per_step`` new passes again."""
+        self._reset_step()
+        return super().load_state_dict(state_dict)
+
+    def _reset_step(self) -> None:
+        for pending in self._pending.values():
+            try:
+                mpi_ops.synchronize(pending.handle)
+            except HoraError:
+                pass  # the job is failing (elastic restore): nothing of that step is kept anyway
+        self._pending.clear()
+        self._ready_in_group.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+        self._should_synchronize = True
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if passes < 1:
-            raise ValueError(f"backward_passes_per_step must be at least 1, got {passes}")
-        self.backward_passes_per_step = int(passes)
+        self.backward_passes_per_step = horovod_args.backward_passes(passes)
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
 
@@ -281,20 +299,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
-    if num_groups and groups is not None:
-        warnings.warn("DistributedOptimizer: num_groups is deprecated and ignored when groups is also "
-                      "given; using groups", stacklevel=2)
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a hora DistributedOptimizer: wrapping it again would reduce "
+                         "every gradient twice; wrap the original optimizer once")
+    groups = horovod_args.resolve_groups(num_groups, groups)
+    passes = horovod_args.backward_passes(backward_passes_per_step)
+    reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
+    compression = horovod_args.check_compression(compression)
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = optimizer.__class__
-    cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
-                                        if k not in ("__dict__", "__weakref__")})
+    cls = type(base.__name__, (_DistributedOptimizer, base),
+               {"__module__": base.__module__, "__qualname__": base.__qualname__})
     wrapped = cls.__new__(cls)
     # Leave behind instance attributes that would shadow the wrapper's methods: an LR scheduler built
     # on the plain optimizer replaces its ``step`` with a bound wrapper that would skip the allreduce.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                              if k not in _DistributedOptimizer.__dict__})
-    wrapped._hora_setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
-                        groups if groups is not None else (num_groups or None), sparse_as_dense, process_set)
+    wrapped._hora_setup(named_parameters, compression, passes, reduction, groups, sparse_as_dense)
     return wrapped
