@@ -15,6 +15,7 @@ it with the previous round's plan and the others join that one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from hora.rendezvous.rounds import Round
 from hora.rendezvous.server import RendezvousServer
 from hora.runner import identity
 from hora.transport import world as world_formation
+from hora.transport import create_communicator
 from hora.transport.base import Communicator
 from hora.transport.topology import Topology
 
@@ -214,3 +216,28 @@ def _coordinates(world: Communicator, topology: Topology,
         logger.warning("rank %d: the launcher says local rank %s, but ranks sharing this host make it %d",
                        rank, me.local_rank, local_rank)
     return Coordinates(rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.homogeneous)
+
+
+_connect_world_calls = itertools.count()
+
+
+def connect_world(transport: str | None = None, store: RendezvousClient | None = None,
+                  machine: str | None = None, **options: object) -> Communicator:
+    """The communicator of every rank in a job started by ``hora run`` / :func:`hora.run`.
+
+    ``transport`` names a registered transport to use as is; None forms the world as ``init`` does.
+    ``machine`` emulates this rank's host identity (see :func:`form_world`).
+    Every rank must call it the same number of times: each call forms a new, separate group.
+    """
+    me = identity.from_environment()  # names every missing variable, refuses rank >= size
+    rank, size, secret = me.rank, me.size, me.secret
+    if store is None:
+        store = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, secret,
+                                 connect_timeout=config.get("start_timeout"))
+    scope = f"{me.job_id}/world/{next(_connect_world_calls)}"
+    members = list(range(size))
+    if transport is None:
+        return world_formation.form_world(rank, members, store, scope, secret, machine)[0]
+    if machine is not None:
+        options["machine"] = machine
+    return create_communicator(transport, rank, members, store, scope, secret, **options)

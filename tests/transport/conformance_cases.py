@@ -568,7 +568,7 @@ def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, 
 
     ``hosts`` emulates a multi-host layout (ranks per host) for transports that care where ranks run.
     """
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     try:
         comm = connect_world(transport, machine=host_label(hosts, config.get("rank")))

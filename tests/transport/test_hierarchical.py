@@ -26,7 +26,7 @@ def host_labels(layout: tuple[int, ...]) -> list[str]:
 
 def _hierarchical_worker(layout: tuple[int, ...]) -> dict[str, Any]:
     from hora import config
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     rank = config.get("rank")
     comm = connect_world(machine=host_labels(layout)[rank])
@@ -68,7 +68,7 @@ def test_hierarchical_allreduce_sums_exactly_on_even_and_uneven_hosts(layout: tu
 
 def _kind_worker(layout: tuple[int, ...]) -> str:
     from hora import config
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     comm = connect_world(machine=host_labels(layout)[config.get("rank")])
     try:

@@ -68,7 +68,7 @@ def _allreduce_until_failure(comm, count: int, deadline_s: float) -> dict[str, A
 
 def _dying_rank_worker(victim: int, how: str, count: int, iterations_before_death: int,
                        transport: str = "tcp") -> dict[str, Any]:
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     rank = config.get("rank")
     if rank != victim:
@@ -123,7 +123,7 @@ def test_dead_peer_fails_every_other_rank(how: str, payload: str, transport: str
 
 
 def _hung_rank_worker(hung: int, count: int, timeout_s: float, transport: str = "tcp") -> dict[str, Any]:
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     rank = config.get("rank")
     comm = connect_world(transport)
@@ -173,7 +173,7 @@ def _stranger_worker(knocker: int, count: int) -> dict[str, Any]:
     """Rank ``knocker`` probes the others' listening ports and the store before joining the job."""
     from hora.rendezvous import RendezvousClient, new_secret
     from hora.rendezvous.auth import authenticate_as_client, secret_bytes
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     rank = config.get("rank")
     report: dict[str, Any] = {"rank": rank}

@@ -173,8 +173,7 @@ def _prepare(comm: Communicator, op: str, count: int, dtype: np.dtype, root: int
     if op == "allreduce":
         # Where the transport offers its own memory (shared memory), use it as the engine's fusion
         # buffer does: that is how training traffic reaches the transport.
-        allocate = getattr(comm, "allocate", None)
-        buf = np.zeros(count, dtype=dtype) if allocate is None else allocate(count * dtype.itemsize).view(dtype)
+        buf = comm.allocate(count * dtype.itemsize).view(dtype)
         buf[...] = 0
         return lambda: comm.allreduce(buf)
     if op == "broadcast":
@@ -241,7 +240,7 @@ def measure(comm: Communicator, spec: BenchSpec) -> list[BenchRow] | None:
 
 def bench_worker(spec: BenchSpec) -> list[dict[str, Any]] | None:
     """Entry point of one rank of a benchmark job: connect the world, sweep, return rank 0's rows."""
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     comm = connect_world(None if spec.transport == "auto" else spec.transport)
     try:

@@ -12,8 +12,6 @@ Process sets get the same choice for their own ranks (:func:`connect_group`).
 
 from __future__ import annotations
 
-import itertools
-
 from hora import config
 from hora.errors import HoraError
 from hora.rendezvous.client import RendezvousClient
@@ -21,8 +19,6 @@ from hora.transport import create_communicator
 from hora.transport.base import Communicator, TransportUnavailable
 from hora.transport.hierarchical import HierarchicalCommunicator
 from hora.transport.topology import Topology, exchange_topology
-
-_generation = itertools.count()
 
 
 def _want_hierarchical(topology: Topology) -> bool:
@@ -65,27 +61,3 @@ def connect_group(rank: int, members: list[int], store: RendezvousClient, scope:
     if not _want_hierarchical(topology):
         return create_communicator("tcp", rank, members, store, scope, secret)
     return HierarchicalCommunicator.connect(rank, members, store, scope, secret, topology=topology)
-
-
-def connect_world(transport: str | None = None, store: RendezvousClient | None = None,
-                  machine: str | None = None, **options: object) -> Communicator:
-    """The communicator of every rank in a job started by ``hora run`` / :func:`hora.run`.
-
-    ``transport`` names a registered transport to use as is; None forms the world as ``init`` does.
-    ``machine`` emulates this rank's host identity (see :func:`form_world`).
-    Every rank must call it the same number of times: each call forms a new, separate group.
-    """
-    from hora.runner.identity import from_environment  # the one reader of a worker's identity
-
-    me = from_environment()  # names every missing variable, refuses rank >= size
-    rank, size, secret = me.rank, me.size, me.secret
-    if store is None:
-        store = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, secret,
-                                 connect_timeout=config.get("start_timeout"))
-    scope = f"{me.job_id}/world/{next(_generation)}"
-    members = list(range(size))
-    if transport is None:
-        return form_world(rank, members, store, scope, secret, machine)[0]
-    if machine is not None:
-        options["machine"] = machine
-    return create_communicator(transport, rank, members, store, scope, secret, **options)
