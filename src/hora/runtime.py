@@ -120,6 +120,15 @@ def engine_settings() -> EngineSettings:
     )
 
 
+def _warn_unbuilt_knobs() -> None:
+    """Knobs a Horovod job may set that hora does not act on yet: said once, not ignored silently."""
+    if config.get("autotune") or config.get("autotune_log"):
+        logger.warning("%s (or %s) is set, but hora has no autotuner yet: the fusion threshold (%d bytes) "
+                       "and cycle time (%s ms) stay as configured", config.knob("autotune").env,
+                       config.knob("autotune").alias,
+                       int(config.get("fusion_threshold")), config.get("cycle_time"))
+
+
 def _set_log_level() -> None:
     level = str(config.get("log_level")).replace("TRACE", "DEBUG").replace("FATAL", "CRITICAL")
     logging.getLogger("hora").setLevel(level)
@@ -187,6 +196,8 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
         scope = current.prefix + ("world" if comm is None else "world-" + "-".join(map(str, members)))
         world, topology = world_formation.form_world(members.index(my_rank), members, store, scope, secret)
         coordinates = _coordinates(world, topology, me)
+        if coordinates.rank == 0:
+            _warn_unbuilt_knobs()
 
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
             # Process-set members are ranks of this world (what hora.rank() returns); the set gets

@@ -290,3 +290,12 @@ def test_unnamed_collectives_never_share_a_name_and_count_again_after_a_join(sol
     assert hora.join() == 0
     after = engine.auto_name("allreduce")
     assert after.endswith(".0") and after not in (upper, lower)  # a new epoch: no clash with older names
+
+
+def test_autotune_knob_says_it_is_not_built_instead_of_doing_nothing(uninitialised, monkeypatch, caplog):
+    monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
+    with caplog.at_level("WARNING", logger="hora"):
+        hora.init()
+    hora.shutdown()
+    said = [r.getMessage() for r in caplog.records if "autotune" in r.getMessage().lower()]
+    assert said and "no autotuner yet" in said[0], caplog.text
