@@ -376,8 +376,8 @@ class Engine:
         long_wait = timeout > self.settings.cycle_time_s
         self._long_wait = long_wait
         try:
-            if long_wait and self._inbox_pending():
-                return True
+            if long_wait and not self._drivers and self._inbox_pending():
+                return True  # (with a driver, the driver runs the cycle that drains them)
             return self._wake.wait(timeout)
         finally:
             self._long_wait = False
