@@ -12,7 +12,7 @@ bindings convert their tensors to and from these arrays around it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -84,6 +84,32 @@ def reduce_arrays(dense: Sequence[np.ndarray | None], names: Sequence[str], redu
 def gradient_names(prefix: str, count: int) -> list[str]:
     """Stable per-position names: the same every step, so the engine's response cache hits."""
     return [f"{prefix}.{i}" for i in range(count)]
+
+
+def scaled(grad: Any, scale: float) -> Any:
+    """``grad * scale`` for a tensor of any framework; an IndexedSlices has its values scaled (checked
+    by type name, so that nothing here imports TensorFlow)."""
+    if type(grad).__name__ == "IndexedSlices":
+        return type(grad)(grad.values * scale, grad.indices, grad.dense_shape)
+    return grad * scale
+
+
+def reduce_keeping_local(reduce: Callable[[list, list | None], list], grads: Sequence[Any],
+                         sources: Sequence[Any] | None, is_local: Sequence[bool], scale: float | None) -> list:
+    """``reduce(grads, sources)``, except where ``is_local`` flags a position: that gradient stays this
+    rank's own, multiplied by ``scale`` unless it is None. This is Horovod's ``register_local_source``
+    / ``register_local_var`` with ``scale_local_gradients``, the same for every wrapper."""
+    grads = list(grads)
+    if not any(is_local):
+        return reduce(grads, sources)
+    shared = [i for i, own in enumerate(is_local) if not own]
+    out = list(grads)
+    if shared:
+        for i, g in zip(shared, reduce([grads[i] for i in shared], [sources[i] for i in shared])):
+            out[i] = g
+    if scale is not None:
+        out = [scaled(g, scale) if own and g is not None else g for g, own in zip(out, is_local)]
+    return out
 
 
 def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int, process_set: ProcessSet = global_process_set,

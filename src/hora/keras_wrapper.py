@@ -108,12 +108,6 @@ class _LocalAggregation:
         keras.ops.cond(keras.ops.equal(self.counter, self.passes), reduce_and_apply, count_only)
 
 
-def _scaled(grad: Any, scale: float) -> Any:
-    if type(grad).__name__ == "IndexedSlices":  # TensorFlow's, without importing TensorFlow here
-        return type(grad)(grad.values * scale, grad.indices, grad.dense_shape)
-    return grad * scale
-
-
 class _HoraSettings:
     """What the wrapper adds to the optimizer; a plain object, so Keras does not track it."""
 
@@ -126,17 +120,8 @@ class _HoraSettings:
 
     def reduce(self, grads: list, variables: list) -> list:
         """``grads`` reduced across ranks, except those of local variables: this rank's own (scaled)."""
-        if not self.local:
-            return self.reducer(grads, variables)
-        is_local = [id(v) in self.local for v in variables]
-        shared = [i for i, local in enumerate(is_local) if not local]
-        out = list(grads)
-        if shared:
-            for i, g in zip(shared, self.reducer([grads[i] for i in shared], [variables[i] for i in shared])):
-                out[i] = g
-        if self.local_scale is not None:
-            out = [_scaled(g, self.local_scale) if local and g is not None else g for g, local in zip(out, is_local)]
-        return out
+        is_local = [id(v) in self.local for v in variables] if self.local else []
+        return batched.reduce_keeping_local(self.reducer, grads, variables, is_local, self.local_scale)
 
 
 class _DistributedOptimizer:

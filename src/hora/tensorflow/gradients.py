@@ -100,30 +100,6 @@ class GradientAllreducer:
                               self.device_dense, self.device_sparse)
 
 
-def reduce_keeping_local(allreducer: GradientAllreducer, grads: Sequence[Any], sources: Sequence[Any] | None,
-                         local: set, scale: float | None) -> list[Any]:
-    """``allreducer(grads, sources)``, except for sources whose ``ref()`` is in ``local``: their
-    gradients stay this rank's own, multiplied by ``scale`` unless it is None (Horovod's
-    ``register_local_source`` / ``register_local_var`` with ``scale_local_gradients``)."""
-    grads = list(grads)
-    aligned = sources is not None and len(sources) == len(grads)
-    is_local = [s.ref() in local for s in sources] if aligned and local else []
-    if not any(is_local):
-        return allreducer(grads, sources if aligned else None)
-    shared = [i for i, own in enumerate(is_local) if not own]
-    reduced = list(grads)
-    if shared:
-        for i, g in zip(shared, allreducer([grads[i] for i in shared], [sources[i] for i in shared])):
-            reduced[i] = g
-    if scale is not None:
-        for i, own in enumerate(is_local):
-            g = reduced[i]
-            if own and g is not None:
-                reduced[i] = (tf.IndexedSlices(g.values * scale, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g * scale)
-    return reduced
-
-
 class ReducesGradients:
     """What the TensorFlow gradient wrappers (the tape, the TensorFlow 1 optimizer) mix in: their
     allreducer, and the sources whose gradients stay on this rank (Horovod's
@@ -143,7 +119,10 @@ class ReducesGradients:
         self._hora_local.add(source.ref())
 
     def _hora_reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None) -> list[Any]:
-        return reduce_keeping_local(self._hora_allreducer, grads, sources, self._hora_local, self._hora_local_scale)
+        aligned = sources is not None and len(sources) == len(grads)
+        is_local = [s.ref() in self._hora_local for s in sources] if aligned and self._hora_local else []
+        return batched.reduce_keeping_local(self._hora_allreducer, grads, sources if aligned else None, is_local,
+                                            self._hora_local_scale)
 
 
 class _DistributedGradientTape(ReducesGradients):
