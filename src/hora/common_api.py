@@ -1,8 +1,9 @@
-"""The names every framework binding re-exports unchanged (API.md, "Every binding").
+"""The names every framework binding re-exports unchanged: Horovod's lifecycle, topology, reduce ops,
+process sets and errors.
 
-``hora.tensorflow`` and ``hora.keras`` take them with ``from hora.common_api import *``, so that
-``hvd.init()``, ``hvd.rank()``, the reduce ops, process sets and Horovod's error classes are the
-very same objects whichever binding a script imports.
+``hora``, ``hora.torch``, ``hora.tensorflow`` and ``hora.keras`` take them with
+``from hora.common_api import *``, so that ``hvd.init()``, ``hvd.rank()``, the reduce ops, process
+sets and Horovod's error classes are the very same objects whichever binding a script imports.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """hora.torch offers horovod.torch's public names with Horovod 0.28's exact signatures.
 
-The expected signatures below are data, written as in ../shared/API.md (and, where API.md abbreviates
-with "...", as Horovod 0.28 spells them out); every one was checked against the horovod-0.28.1 source
-distribution (horovod/torch/*.py, horovod/common/basics.py, process_sets.py). Each is compared with ``inspect.signature``: parameter
+The expected signatures below are data, written as Horovod 0.28 spells them out; every one was
+checked against the horovod-0.28.1 source distribution (horovod/torch/*.py,
+horovod/common/basics.py, process_sets.py). Each is compared with ``inspect.signature``: parameter
 names, order, kinds and defaults. hora may add parameters only at the end, each with a default
 (EXTRA_ALLOWED lists them), so that every Horovod call, positional or keyword, still means the same.
 No job is started here: nothing needs init().
@@ -168,7 +168,7 @@ def test_topology_before_init_raises_value_error(uninitialised):
 
 
 @pytest.mark.xfail(raises=ModuleNotFoundError, strict=True,
-                   reason="hora.torch.elastic (run, TorchState, ElasticSampler in API.md) is not implemented yet")
+                   reason="hora.torch.elastic (Horovod's run, TorchState, ElasticSampler) is not implemented yet")
 def test_elastic_names_exist():
     import importlib
 

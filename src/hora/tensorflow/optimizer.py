@@ -65,7 +65,6 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         raise NotImplementedError("backward_passes_per_step > 1 needs a Keras optimizer; hora does not aggregate "
                                   "gradients locally for tf.compat.v1.train optimizers")
     basics.engine()  # fail early, with the init() message, when hora is not initialised
-    compression = horovod_args.check_compression(compression)
     base = type(optimizer)
     prefix = name if name is not None else f"Distributed{base.__name__}"
     cls = type(base.__name__, (_DistributedV1Optimizer, base), {"__module__": base.__module__})
