@@ -44,7 +44,7 @@ def test_op_resolution_follows_horovod():
         resolve_op(hora.Adasum)
     with pytest.raises(ValueError, match="unknown reduce op"):
         resolve_op(17)
-    with pytest.raises(ValueError, match="reducescatter supports"):
+    with pytest.raises(ValueError, match="reducescatter: hora supports op=Average and op=Sum only"):
         check_sum_or_average(hora.Max, "reducescatter")
 
 

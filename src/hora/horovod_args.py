@@ -59,7 +59,7 @@ def check_sum_or_average(op: int | None, what: str) -> ReduceOp:
     """``op`` resolved, refusing anything but Sum and Average (reducescatter, sparse gradients)."""
     resolved = resolve_op(op)
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"{what} supports op=Average and op=Sum only")
+        raise ValueError(f"{what}: hora supports op=Average and op=Sum only")
     return resolved
 
 
@@ -92,7 +92,7 @@ class GradientReduction:
 
     def sparse_scale(self) -> float:
         """What gathered sparse values are multiplied by so that they sum (or average) like dense ones."""
-        check_sum_or_average(self.op, "sparse gradients (IndexedSlices, sparse tensors) without sparse_as_dense")
+        check_sum_or_average(self.op, "reducing sparse gradients (IndexedSlices) without sparse_as_dense=True")
         scale = self.prescale_factor * self.postscale_factor
         return scale / len(self.process_set.ranks) if self.op == ReduceOp.AVERAGE else scale
 
