@@ -285,5 +285,8 @@ def stop_timeline() -> None:
         previous.close()
 
 
-def next_name(kind: str) -> str:
-    return engine().auto_name(kind)
+def next_name(kind: str, process_set: ProcessSet | None = None) -> str:
+    """A name for an unnamed collective of ``kind`` on ``process_set`` (default: the global set),
+    counted among that set's members only: collectives on a set some ranks are not in must leave
+    every other set's names in step."""
+    return engine().auto_name(kind, process_set_id(process_set))

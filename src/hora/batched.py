@@ -53,8 +53,8 @@ def start(dense: Sequence[np.ndarray | None], names: Sequence[str | None], reduc
     pending = PendingGradients(count)
     # A position without a name gets one now, at run time: ranks then agree as long as they reduce
     # in the same order, which is how Horovod names unnamed collectives too.
-    names = [n if n is not None else basics.next_name("allreduce") for n in names]
     ps, op = reduction.process_set, reduction.op
+    names = [n if n is not None else basics.next_name("allreduce", ps) for n in names]
     pre, post = reduction.prescale_factor, reduction.postscale_factor
     present = [i for i, a in enumerate(dense) if a is not None]
     for unit in partition(present, groups):
@@ -115,6 +115,6 @@ def reduce_keeping_local(reduce: Callable[[list, list | None], list], grads: Seq
 def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int, process_set: ProcessSet = global_process_set,
                      name: str | None = None) -> list[np.ndarray]:
     """``root_rank``'s value of every array, all broadcasts in flight at once."""
-    base = name if name is not None else basics.next_name("broadcast_variables")
+    base = name if name is not None else basics.next_name("broadcast_variables", process_set)
     handles = [collectives.broadcast_async(a, root_rank, f"{base}.{i}", process_set) for i, a in enumerate(arrays)]
     return [h.wait() for h in handles]

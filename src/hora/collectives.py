@@ -45,12 +45,6 @@ def _submit(requests: list[Request]) -> list[Handle]:
     return basics.engine().submit(requests)
 
 
-def _auto_name(kind: str, process_set: ProcessSet) -> str:
-    """A name for an unnamed collective, counted among the process set's members only (so that
-    collectives on a set some ranks are not in leave the other sets' names in step)."""
-    return basics.engine().auto_name(kind, basics.process_set_id(process_set))
-
-
 def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: ProcessSet,
              output: np.ndarray | None = None, **fields: Any) -> Request:
     set_id = basics.process_set_id(process_set)
@@ -114,7 +108,7 @@ def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None
 
 
 def _group_names(name: str | None, count: int, kind: str, process_set: ProcessSet) -> tuple[str, list[str]]:
-    base = name if name is not None else _auto_name(f"grouped_{kind}", process_set)
+    base = name if name is not None else basics.next_name(f"grouped_{kind}", process_set)
     return base, [f"{base}.{i}" for i in range(count)]
 
 
@@ -302,7 +296,7 @@ def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, op: i
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of the process set has reached the barrier."""
-    synchronize(basics.submit_control(Kind.BARRIER, _auto_name("barrier", process_set), process_set))
+    synchronize(basics.submit_control(Kind.BARRIER, basics.next_name("barrier", process_set), process_set))
 
 
 def join(device: int = -1) -> int:
@@ -325,7 +319,7 @@ def synchronize(handle: Handle) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s picklable object, on every rank of the process set."""
-    base = name if name is not None else _auto_name("broadcast_object", process_set)
+    base = name if name is not None else basics.next_name("broadcast_object", process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if basics.rank() == root_rank else None
     length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
     length = broadcast(length, root_rank, f"{base}.size", process_set)
@@ -336,7 +330,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's picklable object, in rank order."""
-    base = name if name is not None else _auto_name("allgather_object", process_set)
+    base = name if name is not None else basics.next_name("allgather_object", process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.sizes", process_set)
     data = allgather(payload, f"{base}.data", process_set)

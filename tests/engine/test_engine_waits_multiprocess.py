@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import hora
+from hora import batched
+from hora.horovod_args import GradientReduction
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +85,11 @@ def _uneven_unnamed_job() -> dict[str, Any]:
         out["alone"] = [hora.allreduce(np.ones(2), process_set=alone).tolist(),
                         hora.allgather(np.ones(1), process_set=alone).tolist()]
         hora.barrier(process_set=alone)
+        # ... and the gradient-list helpers the TensorFlow and Keras bindings use for unnamed
+        # gradients and variables.
+        reduction = GradientReduction.create(None, 1.0, alone)
+        out["alone_batched"] = [batched.reduce_arrays([np.ones(2)], [None], reduction)[0].tolist(),
+                                batched.broadcast_arrays([np.ones(1)], 0, alone)[0].tolist()]
     # The next unnamed collectives of the whole job must still pair up across ranks. (When they did
     # not, each rank drove cycles in Handle.wait with its engine thread idle, and nothing was said
     # until the stall inspector's time.)
@@ -98,6 +105,7 @@ def test_unnamed_collectives_on_a_smaller_set_leave_the_whole_jobs_names_in_step
     results = hora.run(_uneven_unnamed_job, np=2, env={"HORA_STALL_CHECK_TIME_SECONDS": "5",
                                                        "HORA_STALL_SHUTDOWN_TIME_SECONDS": "20"})
     assert results[0]["alone"] == [[1.0, 1.0], [1.0]]
+    assert results[0]["alone_batched"] == [[1.0, 1.0], [1.0]]
     for r in range(2):
         assert results[r]["allreduce"] == [3.0, 3.0]
         assert results[r]["allgather"] == [0, 1]

@@ -61,11 +61,28 @@ def test_completing_a_round_deletes_the_previous_rounds_keys_and_no_other_keys()
     assert store.keys() == ["launcher/func", round_prefix(1) + "world/addr/0"]
 
 
-def test_keys_of_an_older_round_are_refused_once_a_newer_round_is_open():
+def test_keys_of_an_older_round_stay_usable_while_a_newer_round_forms():
+    # Ranks 0-1 and 2-3 formed separate worlds with init(comm=...) in round 0; ranks 0-1 re-form
+    # (round 1 opens and never completes without 2-3): ranks 2-3 keep working in round 0.
+    store = KeyValueStore()
+    store.open_round(4)
+    for rank in range(4):
+        store.join_round(0, rank, "h")
+    store.open_round(4, expect_current=0)
+    store.join_round(1, 0, "h")
+    store.join_round(1, 1, "h")
+    store.set("round/0/world-2-3/shm/2/path/2", b"grown")
+    assert store.get("round/0/world-2-3/shm/2/path/2", 0.0) == b"grown"
+    assert store.wait(["round/0/world-2-3/shm/2/path/2"], 0.0) == []
+
+
+def test_keys_of_an_older_round_are_refused_once_a_newer_round_is_complete():
     store = KeyValueStore()
     store.open_round(1)
     store.set("round/0/world/addr/0", b"x")
     store.open_round(1, expect_current=0)
+    store.set("round/0/world/addr/0", b"still forming")
+    store.join_round(1, 0, "h")
     for call in (lambda: store.set("round/0/world/addr/0", b"y"), lambda: store.try_get("round/0/k"),
                  lambda: store.get("round/0/k", 0.0), lambda: store.wait(["round/0/k"], 0.0),
                  lambda: store.add("round/0/n", 1), lambda: store.set_if_absent("round/0/k", b"")):
@@ -75,7 +92,7 @@ def test_keys_of_an_older_round_are_refused_once_a_newer_round_is_open():
     store.set("round/10x/not-a-round-key", b"fine")
 
 
-def test_a_wait_on_an_older_rounds_keys_is_refused_when_the_next_round_opens():
+def test_a_wait_on_an_older_rounds_keys_is_refused_when_the_next_round_completes():
     store = KeyValueStore()
     store.open_round(2)
     outcome = []
@@ -89,6 +106,8 @@ def test_a_wait_on_an_older_rounds_keys_is_refused_when_the_next_round_opens():
     thread = threading.Thread(target=waiter)
     thread.start()
     store.open_round(2, expect_current=0)
+    store.join_round(1, 0, "h")
+    store.join_round(1, 1, "h")
     thread.join(30)
     assert not thread.is_alive() and len(outcome) == 1
 
@@ -159,12 +178,14 @@ def test_rounds_over_the_wire_and_a_client_of_an_old_round_is_refused():
         old.set(round_prefix(0) + "world/addr/0", b"a")
         driver_round = new.open_round(2, hosts=[("h", 2)])
         assert driver_round.generation == 1 and old.wait_round(0, timeout=5) == driver_round
-        with pytest.raises(StaleRoundError, match="round 0.*round 1 is current.*shutdown\\(\\) and init\\(\\)"):
-            old.get(round_prefix(0) + "world/addr/0", timeout=5)
+        assert old.get(round_prefix(0) + "world/addr/0", timeout=5) == b"a"  # round 1 is still forming
         with pytest.raises(StaleRoundError):
             old.join_round(0, 0, "h")
         old.ping()  # refused requests leave the connection usable
         new.join_round(1, 0, "h")
-        done = old.join_round(1, 1, "h")
-        assert done.complete and old.keys(round_prefix(0)) == []
+        done = new.join_round(1, 1, "h")
+        assert done.complete and new.keys(round_prefix(0)) == []
+        with pytest.raises(StaleRoundError, match="round 0.*round 1 is current.*shutdown\\(\\) and init\\(\\)"):
+            old.get(round_prefix(0) + "world/addr/0", timeout=5)
+        old.ping()
         assert new.get_round(0) is None and new.wait_round(1, timeout=0.1) is None

@@ -5,12 +5,14 @@ optionally a plan of hosts and their slots (ranks are handed out host by host, i
 worker that forms the round's world joins it, saying which rank it takes and on which host it runs; the
 joins are the round's membership, and once every rank has joined the round is complete.
 
-Keys that belong to a round live under :func:`round_prefix` (``round/<generation>/``). When a round
-completes, every older round's keys are deleted, and from the moment a newer round is opened the store
-refuses any key of an older round, and a join of an older round, with :class:`StaleRoundError`. So a
-worker left behind by a re-formed world gets a clear error instead of reading half of a dead round, and
-peer connections (whose handshake carries the scope, which names the round) from an older round are
-refused by the members of a newer one.
+Keys that belong to a round live under :func:`round_prefix` (``round/<generation>/``). Once a newer
+round is opened, a join of an older round is refused with :class:`StaleRoundError`. When a round
+completes, every older round's keys are deleted and from then on any key of an older round is refused
+the same way. Until then, workers still in the older round (finishing a last collective, or a group
+formed by ``init(comm=...)`` that is not re-forming) keep using its keys. So a worker left behind by a
+re-formed world gets a clear error instead of reading half of a dead round, and peer connections
+(whose handshake carries the scope, which names the round) from an older round are refused by the
+members of a newer one.
 
 A job started by ``hora run`` forms its first world as round 0. ``shutdown()`` followed by ``init()`` in
 the same process joins the next round: a driver (elastic training) opens it with a new plan, or, in a

@@ -36,13 +36,18 @@ class KeyValueStore:
         self._changed = threading.Condition()
         self._rounds: dict[int, Round] = {}
         self._current = -1  # generation of the newest round opened; -1: none yet
+        # Generation of the newest complete round: keys of older rounds are refused. Not the newest
+        # opened one: until a round is complete, workers still in the previous one (stragglers
+        # finishing their last collective, or a group formed by init(comm=...) that is not
+        # re-forming) keep using its keys.
+        self._sealed = -1
 
     # ---- keys ------------------------------------------------------------------------------------
 
     def _check_key(self, key: str) -> None:
-        """Refuse a key of a round older than the current one (caller holds the lock)."""
+        """Refuse a key of a round older than the newest complete one (caller holds the lock)."""
         generation = generation_of_key(key)
-        if generation is not None and generation < self._current:
+        if generation is not None and generation < self._sealed:
             raise StaleRoundError(stale_message(generation, self._current, f"key {key!r}"))
 
     def set(self, key: str, value: bytes) -> None:
@@ -80,13 +85,10 @@ class KeyValueStore:
 
     def delete_prefix(self, prefix: str) -> int:
         with self._changed:
-            return self._delete_prefix(prefix)
-
-    def _delete_prefix(self, prefix: str) -> int:
-        doomed = [k for k in self._data if k.startswith(prefix)]
-        for k in doomed:
-            del self._data[k]
-        return len(doomed)
+            doomed = [k for k in self._data if k.startswith(prefix)]
+            for k in doomed:
+                del self._data[k]
+            return len(doomed)
 
     def keys(self, prefix: str = "") -> list[str]:
         with self._changed:
@@ -100,7 +102,7 @@ class KeyValueStore:
     def wait(self, keys: Iterable[str], timeout: float) -> list[str]:
         """Block until every key exists or ``timeout`` seconds pass; return the keys still missing.
 
-        A newer round opened while waiting for an older round's keys raises :class:`StaleRoundError`.
+        A newer round completed while waiting for an older round's keys raises :class:`StaleRoundError`.
         """
         wanted = list(keys)
         deadline = time.monotonic() + max(0.0, timeout)
@@ -197,6 +199,7 @@ class KeyValueStore:
             joined = Round(generation, opened.size, opened.hosts, tuple(sorted(members.items())))
             self._rounds[generation] = joined
             if joined.complete:
+                self._sealed = max(self._sealed, generation)
                 for old in [g for g in self._rounds if g < generation]:
                     del self._rounds[old]
                 for key in [k for k in self._data if _older(k, generation)]:
