@@ -1,6 +1,6 @@
 """Fixtures every test directory shares.
 
-pytest puts this directory on ``sys.path``, so helper modules here (``sections``) import by name,
+pytest puts this directory on ``sys.path``, so helper modules here (``sections``, ``job_env``) import by name,
 and ``hora.run`` hands that path on to the workers it starts.
 """
 
@@ -12,21 +12,14 @@ from typing import Iterator
 import pytest
 
 import hora
-
-
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without hora's identity and knob variables, plus ``extra``: what a
-    job started from a test should see, whatever the shell running pytest has set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update(extra or {})
-    return env
+from job_env import is_hora_variable
 
 
 @pytest.fixture
 def no_hora_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No HORA_*/HOROVOD_* variables: ``hora.init()`` then forms a private size-1 job."""
     for key in list(os.environ):
-        if key.startswith(("HORA_", "HOROVOD_")):
+        if is_hora_variable(key):
             monkeypatch.delenv(key)
 
 

@@ -13,17 +13,13 @@ from pathlib import Path
 import pytest
 
 from hora.bench.cli import main as bench_main
+from job_env import clean_env
 from hora.bench.sweep import OPS, bus_factor, iteration_plan, parse_size, size_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 COMPARE = REPO / "benchmarks" / "compare_allreduce.py"
 ROW_KEYS = {"op", "size", "count", "dtype", "time_us", "algbw", "busbw", "iters", "ranks", "transport"}
 TINY = ["-np", "2", "-b", "4", "-e", "4K", "-f", "16", "--iters", "3", "--warmup", "1"]
-
-
-def _clean_env() -> dict[str, str]:
-    """This process's environment without any hora job identity (the tests may run inside one)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
 
 
 def _check_row(row: dict, ranks: int) -> None:
@@ -73,7 +69,7 @@ def test_sizes_and_iteration_plan() -> None:
 @pytest.mark.timeout(60)
 def test_hora_bench_prints_a_table_per_collective() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "hora", "bench", *TINY], capture_output=True, text=True, timeout=50, env=_clean_env()
+        [sys.executable, "-m", "hora", "bench", *TINY], capture_output=True, text=True, timeout=50, env=clean_env()
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -111,7 +107,7 @@ def test_hora_bench_inside_a_job_reports_once() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, "-m", "hora", "bench",
          "--ops", "broadcast", "-b", "64", "-e", "64", "--iters", "2", "--json"],
-        capture_output=True, text=True, timeout=50, env=_clean_env(),
+        capture_output=True, text=True, timeout=50, env=clean_env(),
     )
     assert proc.returncode == 0, proc.stderr
     # The launcher prefixes each worker line with "[rank]<stdout>:".
@@ -142,7 +138,7 @@ def test_compare_allreduce_prints_ratios() -> None:
     pytest.importorskip("torch")
     proc = subprocess.run(
         [sys.executable, str(COMPARE), "--sizes", "4,65536", "--rounds", "1", "--iters", "5", "--warmup", "1"],
-        capture_output=True, text=True, timeout=85, env=_clean_env(), cwd=REPO,
+        capture_output=True, text=True, timeout=85, env=clean_env(), cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     lines = proc.stdout.splitlines()

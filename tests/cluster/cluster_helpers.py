@@ -13,17 +13,12 @@ from pathlib import Path
 from typing import Callable
 
 from emucluster import EmulatedCluster
+from job_env import clean_env  # noqa: F401  (re-exported for the cluster tests)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 JOB = str(HERE / "cluster_job.py")
 HORA = [sys.executable, "-m", "hora"]
-
-
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update(extra or {})
-    return env
 
 
 def hora_run_argv(cluster: EmulatedCluster, np: int, hosts: str, *job_args: str,

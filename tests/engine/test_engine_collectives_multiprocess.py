@@ -53,8 +53,6 @@ def a2a_splits(rank: int, size: int) -> list[int]:
 
 
 def _collectives_job(tmpdir: str) -> dict[str, Any]:
-    from hora import basics
-
     out: dict[str, Any] = {}
 
     # Lifecycle: init, shutdown, init again (with a static process set) in a multi-process job.

@@ -8,15 +8,9 @@ import sys
 from typing import Callable, Iterator
 
 import pytest
+from job_env import clean_env
 
 HORA = [sys.executable, "-m", "hora"]
-
-
-def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The test process's environment without any hora identity/knob variables leaking in."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update(extra or {})
-    return env
 
 
 @pytest.fixture
@@ -26,7 +20,7 @@ def hora_run() -> Callable[..., subprocess.CompletedProcess]:
     def run(*args: str, timeout: float = 30, env: dict[str, str] | None = None,
             cwd: str | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([*HORA, *args], capture_output=True, text=True, timeout=timeout,
-                              env=_clean_env(env), cwd=cwd)
+                              env=clean_env(env), cwd=cwd)
 
     return run
 
@@ -38,7 +32,7 @@ def hora_popen() -> Iterator[Callable[..., subprocess.Popen]]:
 
     def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         proc = subprocess.Popen([*HORA, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=_clean_env(env))
+                                text=True, env=clean_env(env))
         started.append(proc)
         return proc
 

@@ -24,7 +24,6 @@ import hora  # noqa: E402
 import hora.keras as hk  # noqa: E402
 import hora.tensorflow as htf  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torch"))
 from signature_check import EVERY_BINDING, REDUCE_OPS, check, parse  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

@@ -2,25 +2,19 @@
 
 Every worker pays several seconds to import TensorFlow, so each test module starts one job (in a
 module-scoped fixture) whose workers run a list of named sections and report each one's result or
-failure; tests then read a section's value per rank. The section machinery is the torch tests'
-(``tests/torch/torch_job.py``); this module only starts the workers without importing torch, with
-TensorFlow quiet and held to one compute thread per worker (the CI box has two cores).
+failure; tests then read a section's value per rank. The section machinery is ``tests/sections.py``;
+this module only adds the environment that keeps TensorFlow quiet and held to one compute thread
+per worker (the CI box has two cores).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Callable
 
-import hora
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torch"))
-
-from torch_job import JOB_ENV, JobResults, run_sections  # noqa: E402  (no torch import: plain helpers)
+import sections
+from sections import JobResults
 
 TF_ENV = {
-    **JOB_ENV,
     "TF_CPP_MIN_LOG_LEVEL": "2",
     "TF_NUM_INTRAOP_THREADS": "1",
     "TF_NUM_INTEROP_THREADS": "2",
@@ -35,15 +29,7 @@ Sections = list[tuple[str, Callable[[], Any]]]
 
 def run_job(func: Callable[[], Sections], np: int, env: dict[str, str] | None = None) -> JobResults:
     """Run ``func`` (which returns its sections; hora is initialised) on ``np`` workers."""
-    return JobResults(hora.run(_job_main, args=(func,), np=np, env={**TF_ENV, **(env or {})}))
-
-
-def _job_main(func: Callable[[], Sections]) -> dict[str, Any]:
-    hora.init()  # the same init as hora.tensorflow.init / hora.keras.init
-    try:
-        return run_sections(func())
-    finally:
-        hora.shutdown()
+    return sections.run_job(func, np, {**TF_ENV, **(env or {})})
 
 
 __all__ = ["JobResults", "run_job", "TF_ENV"]

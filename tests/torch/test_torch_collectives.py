@@ -1,7 +1,7 @@
 """hora.torch collectives on 2 and 3 ranks, checked against values computed here by hand.
 
 Each world size is one ``hora.run`` job (module-scoped fixture) that runs every check as a named
-section; the tests below read the sections' results (see torch_job.py).
+section; the tests below read the sections' results (see tests/sections.py).
 
 Gradient convention: Horovod 0.28.1's (horovod/torch/mpi_ops.py), so a migrated script computes the
 same numbers. ``allreduce``'s backward is an allreduce of the upstream gradient with the same op (for
@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
 
-from torch_job import JobResults, run_job  # noqa: E402
+from sections import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_job import JobResults, run_job  # noqa: E402
+from sections import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

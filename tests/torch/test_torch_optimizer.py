@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_job import JobResults, run_job  # noqa: E402
+from sections import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -799,7 +799,7 @@ def _job_wrapper_rules() -> list:
 @pytest.fixture(scope="module")
 def rules2() -> JobResults:
     import hora
-    from torch_job import _job_main
+    from sections import _job_main
 
     return JobResults(hora.run(_job_main, args=(_job_wrapper_rules,), np=2, env=RULES_ENV))
 

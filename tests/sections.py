@@ -1,6 +1,6 @@
-"""Helpers for the hora.torch tests: run many independent checks inside one multi-process job.
+"""Many independent checks inside one multi-process job, for the binding tests (torch, TensorFlow, Keras).
 
-Starting a job costs seconds (every worker imports torch), so each test module runs one job per
+Starting a job costs seconds (every worker imports its framework), so each test module runs one job per
 world size in a module-scoped fixture. The job function runs named *sections* in a fixed order on
 every rank; a section that raises is recorded (type, message, traceback) instead of ending the job,
 so one broken feature fails only the tests that read that section. Tests then pick a section's value
@@ -68,16 +68,15 @@ class JobResults:
         return [self.get(name, r) for r in range(self.size)]
 
 
-def run_job(func: Callable[[], list[tuple[str, Callable[[], Any]]]], np: int) -> JobResults:
-    """Run ``func`` (which inits hora.torch and returns its sections) on ``np`` workers."""
-    return JobResults(hora.run(_job_main, args=(func,), np=np, env=JOB_ENV))
+def run_job(func: Callable[[], list[tuple[str, Callable[[], Any]]]], np: int,
+            env: dict[str, str] | None = None) -> JobResults:
+    """Run ``func`` (called once hora is initialised; it returns its sections) on ``np`` workers."""
+    return JobResults(hora.run(_job_main, args=(func,), np=np, env={**JOB_ENV, **(env or {})}))
 
 
 def _job_main(func: Callable[[], list[tuple[str, Callable[[], Any]]]]) -> dict[str, Any]:
-    import hora.torch as hvd
-
-    hvd.init()
+    hora.init()  # the same init as hora.torch.init, hora.tensorflow.init and hora.keras.init
     try:
         return run_sections(func())
     finally:
-        hvd.shutdown()
+        hora.shutdown()
