@@ -26,6 +26,9 @@ Groups = Any
 _API_OPS: dict[int, ReduceOp] = {op: op for op in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX,
                                                    ReduceOp.PRODUCT)}
 
+# Enum members looked up once: attribute access on an Enum class is slow, and resolve_op runs per tensor.
+_AVERAGE, _SUM, _ADASUM = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
+
 
 # ---- reduce ops -----------------------------------------------------------------------------------
 
@@ -36,23 +39,24 @@ def resolve_op(op: int | None, average: bool | None = None) -> ReduceOp:
     giving both is an error, as in Horovod. Plain ints with Horovod's values are accepted, since
     scripts store and compare ``hvd.Sum`` and friends as ints.
     """
-    if average is not None:
+    if average is None:
+        if op is None:
+            return _AVERAGE
+        try:
+            resolved = _API_OPS.get(op)
+        except TypeError:  # unhashable: not an op at all
+            resolved = None
+        if resolved is not None:
+            return resolved
+    else:
         if op is not None:
             raise ValueError("give either op or the deprecated average argument, not both")
         warnings.warn("the average argument is deprecated; pass op=Average or op=Sum instead",
                       DeprecationWarning, stacklevel=3)
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    if op is None:
-        return ReduceOp.AVERAGE
-    try:
-        resolved = _API_OPS.get(op)
-    except TypeError:  # unhashable: not an op at all
-        resolved = None
-    if resolved is None:
-        if op == ReduceOp.ADASUM:
-            raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
-        raise ValueError(f"unknown reduce op {op!r}; use hora.Average, Sum, Min, Max or Product")
-    return resolved
+        return _AVERAGE if average else _SUM
+    if op == _ADASUM:
+        raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
+    raise ValueError(f"unknown reduce op {op!r}; use hora.Average, Sum, Min, Max or Product")
 
 
 def check_sum_or_average(op: int | None, what: str) -> ReduceOp:

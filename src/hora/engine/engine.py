@@ -32,6 +32,9 @@ from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
 from hora.transport.timer_slack import fine_timer_slack
 
+# Enum members looked up once (attribute access on an Enum class is slow; these run per tensor or cycle).
+_BAND = ReduceOp.BAND
+
 logger = logging.getLogger(__name__)
 
 _FLAG_UNCACHED = 1
@@ -57,7 +60,7 @@ def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, 
         small[0] = ~flags & _WORD
         small[1] = ~invalid & _WORD
         small[2] = ready
-        comm.allreduce(small.view(np.int64), ReduceOp.BAND)  # transports move signed words
+        comm.allreduce(small.view(np.int64), _BAND)  # transports move signed words
         flags_word, invalid_word, ready_word = small.tolist()
         return ~flags_word & _WORD, ~invalid_word & _WORD, ready_word
     full = (1 << (64 * words)) - 1
@@ -68,7 +71,7 @@ def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, 
                   + ready.to_bytes(nbytes, "little")),
         dtype=np.int64,
     )
-    comm.allreduce(vec, ReduceOp.BAND)
+    comm.allreduce(vec, _BAND)
     raw = vec.tobytes()
     return (
         ~int.from_bytes(raw[:8], "little") & _WORD,

@@ -19,6 +19,9 @@ from hora.engine.request import Kind, Request, Signature
 from hora.engine.timeline import Timeline
 from hora.transport.base import Communicator, ReduceOp
 
+# Enum members looked up once (attribute access on an Enum class is slow; these run per tensor or cycle).
+_AVERAGE, _SUM = ReduceOp.AVERAGE, ReduceOp.SUM
+
 logger = logging.getLogger(__name__)
 
 #: Buckets up to this size hand out their results as views of one new array (one allocation and one
@@ -92,11 +95,11 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
 
 
 def _is_average(sig: Signature) -> bool:
-    return sig.op is ReduceOp.AVERAGE
+    return sig.op is _AVERAGE
 
 
 def _transport_op(sig: Signature) -> ReduceOp:
-    return ReduceOp.SUM if sig.op is ReduceOp.AVERAGE else sig.op
+    return _SUM if sig.op is _AVERAGE else sig.op
 
 
 _HALF_WIDTH = frozenset((np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)))

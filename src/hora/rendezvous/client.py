@@ -12,7 +12,7 @@ from hora.errors import RendezvousError
 from hora.rendezvous.auth import authenticate_as_client, secret_bytes
 from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import MAX_WAIT_SLICE
-from hora.rendezvous.wire import ConnectionClosed, recv_frame, send_frame
+from hora.rendezvous.wire import recv_frame, send_frame
 
 CONNECT_RETRY_SECONDS = 0.05
 
