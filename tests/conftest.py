@@ -12,6 +12,7 @@ from typing import Iterator
 import pytest
 
 import hora
+from hora import basics
 from job_env import is_hora_variable
 
 
@@ -25,12 +26,12 @@ def no_hora_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def uninitialised(no_hora_env) -> Iterator[None]:
-    """hora not initialised in this process when the test starts, and not left initialised after it,
-    whatever tests ran before."""
-    hora.shutdown()
+    """hora not initialised in this process when the test starts (as in a fresh process: no
+    rendezvous round remembered either), and not left initialised after it, whatever tests ran before."""
+    basics.reset()
     assert not hora.is_initialized()
     yield
-    hora.shutdown()
+    basics.reset()
 
 
 @pytest.fixture(scope="module", autouse=True)

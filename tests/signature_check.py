@@ -39,8 +39,7 @@ EVERY_BINDING = [
     "mpi_threads_supported()",
     "start_timeline(file_path, mark_cycles=False)",
     "stop_timeline()",
-    # API.md writes add_process_set(ranks_or_set) / remove_process_set(ps) as prose; Horovod 0.28's
-    # parameter is named process_set in both.
+    # Horovod 0.28's parameter is named process_set in both (its prose says ranks_or_set and ps).
     "add_process_set(process_set)",
     "remove_process_set(process_set)",
 ]

@@ -61,7 +61,7 @@ def test_worker_valueerror_is_reraised_with_rank_world_size_3():
     start = time.monotonic()
     with pytest.raises(ValueError, match="bad value on rank 1") as info:
         hora.run(fail_on_rank_1, np=3)
-    assert time.monotonic() - start < 10  # the sleeping ranks were stopped
+    assert time.monotonic() - start < 45  # the ranks sleeping 60 s were stopped
     exc = info.value
     assert type(exc) is ValueError
     assert exc.hora_rank == 1

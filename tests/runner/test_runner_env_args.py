@@ -12,7 +12,7 @@ from hora.cli import main
 from hora.errors import ConfigError, HoraError
 from hora.runner.hosts import SlotInfo, parse_hosts
 from hora.runner.identity import WorkerIdentity, from_environment
-from hora.runner.job import LocalJob
+from hora.runner.job import Job
 from hora.runner.run_args import build_parser, command_of, knob_environment
 from hora.runner.worker_env import JobContext, worker_environment
 
@@ -47,7 +47,7 @@ def test_worker_environment_keeps_users_pythonunbuffered():
 
 
 def test_local_job_specs_world_size_3():
-    with LocalJob(parse_hosts("localhost:2,127.0.0.1:2"), 3, ["prog", "arg"],
+    with Job(parse_hosts("localhost:2,127.0.0.1:2"), 3, ["prog", "arg"],
                   base_env={"A": "1"}) as job:
         specs = job.specs()
         assert [s.rank for s in specs] == [0, 1, 2]

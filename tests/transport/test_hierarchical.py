@@ -57,7 +57,7 @@ def _hierarchical_worker(layout: tuple[int, ...]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (3, 1), (2, 2)], ids=lambda l: "+".join(map(str, l)))
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (3, 1), (2, 2), (3, 2)], ids=lambda l: "+".join(map(str, l)))
 def test_hierarchical_allreduce_sums_exactly_on_even_and_uneven_hosts(layout: tuple[int, ...]) -> None:
     env = {"HORA_HIERARCHICAL_ALLREDUCE": "1", "HORA_TRANSPORT_TIMEOUT": "15"}
     results = hora.run(_hierarchical_worker, args=(layout,), np=sum(layout), env=env)

@@ -137,7 +137,3 @@ class Job:
         """Start every rank and supervise until success, the first failure, or a launcher signal."""
         return run_workers(self.specs(), self._router, kill_grace=self._kill_grace,
                            handle_signals=handle_signals)
-
-
-# The name this class had while every rank ran on this machine.
-LocalJob = Job

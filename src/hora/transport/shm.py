@@ -80,18 +80,21 @@ class ShmCommunicator(Communicator):
         self._scope = scope
         self.timeout = self._mesh.timeout
         self._guard = CollectiveGuard(store, scope, self._members, rank, self.timeout, cut=self._cut)
-        machines = self._mesh.allgather_object(local_machine_id())
-        if len(set(machines)) != 1 or not machines[0]:
-            self.close()
-            raise TransportUnavailable(
-                f"rank {self.global_rank}: the shared-memory transport needs every rank on one host; "
-                "use the tcp transport (or hierarchical allreduce) across hosts"
-            )
-        self._pids = self._mesh.allgather_object(os.getpid())
-        self._max_bytes = int(config.get("shm_segment_bytes"))
-        self._generation = 0
-        self._epoch = 0
-        self._ensure(1 << 20)
+        try:
+            machines = self._mesh.allgather_object(local_machine_id())
+            if len(set(machines)) != 1 or not machines[0]:
+                raise TransportUnavailable(
+                    f"rank {self.global_rank}: the shared-memory transport needs every rank on one host; "
+                    "use the tcp transport (or hierarchical allreduce) across hosts"
+                )
+            self._pids = self._mesh.allgather_object(os.getpid())
+            self._max_bytes = int(config.get("shm_segment_bytes"))
+            self._generation = 0
+            self._epoch = 0
+            self._ensure(1 << 20)
+        except BaseException:
+            self.close()  # the mesh's sockets and threads, and any segment already mapped
+            raise
 
     # ---- identity and failure -----------------------------------------------------------------
 
@@ -165,13 +168,19 @@ class ShmCommunicator(Communicator):
                     raise TransportUnavailable("shared memory is unavailable on this host (/dev/shm)")
                 return False
             segments = []
-            for i, text in enumerate(entries):
-                path, cap = text.rsplit(":", 1)
-                segments.append(mine if i == self._rank else Segment.attach(path, int(cap)))
-            self._store.set(f"{prefix}/attached/{self.global_rank}", b"1")
-            missing = self._store.wait([f"{prefix}/attached/{m}" for m in self._members], self.timeout)
-            if missing:
-                raise self._no_progress(missing, "map the shared memory")
+            try:
+                for i, text in enumerate(entries):
+                    path, cap = text.rsplit(":", 1)
+                    segments.append(mine if i == self._rank else Segment.attach(path, int(cap)))
+                self._store.set(f"{prefix}/attached/{self.global_rank}", b"1")
+                missing = self._store.wait([f"{prefix}/attached/{m}" for m in self._members], self.timeout)
+                if missing:
+                    raise self._no_progress(missing, "map the shared memory")
+            except BaseException:
+                for segment in segments if mine in segments else [*segments, mine]:
+                    if segment is not None:
+                        segment.close()  # unmap what this attempt mapped; the old segments stay
+                raise
         finally:
             if mine is not None:
                 mine.unlink()  # every peer has mapped it (or the job is failing): leave nothing in /dev/shm
