@@ -40,7 +40,7 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
     import hora
     from hora import basics
     from hora.transport import ReduceOp
-    from hora.transport.world import connect_world
+    from hora.runtime import connect_world
 
     raw = connect_world()  # formed as init forms the engine's world; every rank calls it once
     hora.init()
@@ -82,7 +82,7 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
                 slowest = max(raw.allgather_object(mean))
                 best[name] = min(best[name], slowest)
         rank = hora.rank()
-        transport = f"{type(raw).__name__} (engine: {type(basics._ctx.world).__name__})"
+        transport = f"{type(raw).__name__} (engine: {type(basics._ctx.runtime.world).__name__})"
     finally:
         hora.shutdown()
         raw.close()

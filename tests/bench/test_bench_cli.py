@@ -158,3 +158,38 @@ def test_compare_allreduce_prints_ratios() -> None:
             float(values["hora_us"]) / float(values["gloo_us"]), rel=0.02, abs=0.01), cells
         assert float(values["bw_hora/gloo"]) > 0, cells
         assert (values["mpi_us"] == "-") == mpi_skipped, proc.stdout
+
+
+# ---- benchmarks/engine_fusion.py and benchmarks/torch_vs_ddp.py ----------------------------------------
+# The closing notes report these two before and after every engine change: they must keep running.
+
+
+@pytest.mark.timeout(120)
+def test_engine_fusion_benchmark_reports_its_ratios() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_fusion.py"), "--steps", "5", "--warmup", "1",
+         "--rounds", "1", "--json"],
+        capture_output=True, text=True, timeout=110, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    report = json.loads(proc.stdout)
+    assert report["world_size"] == 2 and report["steps"] == 5
+    for key in ("fused_64x4KiB_us", "grouped_64x4KiB_us", "single_256KiB_us", "raw_transport_256KiB_us"):
+        assert report[key] > 0, report
+    assert report["ratio_fused_over_single"] == pytest.approx(
+        report["fused_64x4KiB_us"] / report["single_256KiB_us"], rel=0.01), report
+
+
+@pytest.mark.timeout(300)
+def test_torch_vs_ddp_benchmark_trains_with_every_contender() -> None:
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "torch_vs_ddp.py"), "--iters", "2", "--warmup", "1",
+         "--rounds", "1", "--image-size", "32", "--batch-size", "4", "--json"],
+        capture_output=True, text=True, timeout=290, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    report = json.loads(proc.stdout)
+    assert set(report["runs"]) == {"hora", "ddp", "single"}, report["runs"].keys()
+    for name, runs in report["runs"].items():
+        assert len(runs) == 1 and runs[0]["img_sec_total"] > 0, (name, runs)
