@@ -141,6 +141,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("elastic", False, _parse_bool,
          "Run in elastic mode: init() after shutdown() waits for the rendezvous round the elastic "
          "driver opens, instead of opening the next round with the same ranks."),
+    Knob("elastic_reset_limit", None, _parse_nonneg_int,
+         "Most resets one hora.elastic.run call may make before it stops (unset: no limit).", horovod_alias=False),
 )
 
 _BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
