@@ -5,7 +5,9 @@ that hosts were added or removed by writing :data:`HOSTS_UPDATED_KEY` with a JSO
 ``{"id": <int>, "skip_sync": <bool>}``. ``id`` increases with every announcement, so a worker tells a
 new announcement from one it has already acted on by comparing ids, without the driver having to
 know which workers saw what. ``skip_sync`` is true when every surviving worker already holds the same
-state (hosts were only removed), so re-forming the world need not broadcast it again.
+state (hosts were only removed), so re-forming the world need not broadcast it again. Workers act on
+the newest announcement only, so its ``skip_sync`` must hold for every change since the world was last
+formed: a writer sets it false if any of those changes added a host.
 
 Workers read the key in :meth:`hora.elastic.State.check_host_updates` (one ``try_get`` per commit)
 and agree on what they read with one allreduce, so every rank reacts at the same commit. The key and

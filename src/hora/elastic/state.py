@@ -83,7 +83,7 @@ class State:
         (max) on the newest announcement anyone saw and the newest one the world already reflects,
         so all of them raise at this same call, or none does: a rank that read the key a moment
         before the driver wrote it cannot keep training while the others re-form. ``skip_sync`` is
-        True only when every rank read an announcement that allows skipping the sync.
+        the newest announcement's (if ranks read it with different flags, the sync is kept).
 
         Until the elastic driver exists, only a test (or a user) writing the key announces anything.
         """
@@ -93,9 +93,12 @@ class State:
         update = read_hosts_update(runtime.store)
         newest = -1 if update is None else update.id
         reflected = newest if self._hosts_update_seen is None else self._hosts_update_seen
+        # One number orders announcements by id, then "needs a sync" above "may skip it": the max is
+        # the newest announcement any rank read, with the skip flag of that announcement.
         needs_sync = 0 if update is not None and update.skip_sync else 1
-        agreed = allreduce(np.array([newest, reflected, needs_sync], dtype=np.int64), op=ReduceOp.MAX)
-        newest, reflected, needs_sync = (int(v) for v in agreed)
+        agreed = allreduce(np.array([2 * newest + needs_sync, reflected], dtype=np.int64), op=ReduceOp.MAX)
+        newest, needs_sync = divmod(int(agreed[0]), 2)
+        reflected = int(agreed[1])
         self._hosts_update_seen = max(newest, reflected)
         if newest > reflected:
             logger.info("rank %d: hosts updated (announcement %d); re-forming the world",
