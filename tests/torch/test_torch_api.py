@@ -167,11 +167,25 @@ def test_topology_before_init_raises_value_error(uninitialised):
             query()
 
 
-@pytest.mark.xfail(raises=ModuleNotFoundError, strict=True,
-                   reason="hora.torch.elastic (Horovod's run, TorchState, ElasticSampler) is not implemented yet")
 def test_elastic_names_exist():
-    import importlib
+    import hora.elastic
+    import hora.torch.elastic as elastic
 
-    elastic = importlib.import_module("hora.torch.elastic")
-    for name in ("run", "TorchState", "ElasticSampler"):
-        assert hasattr(elastic, name), name
+    assert elastic.run is hora.elastic.run
+    assert issubclass(elastic.TorchState, hora.elastic.ObjectState)
+    assert issubclass(elastic.ElasticSampler, torch.utils.data.Sampler)
+    # Horovod's signatures: run(func), TorchState(model=None, optimizer=None, **kwargs),
+    # ElasticSampler(dataset, shuffle=True, seed=0).
+    assert list(inspect.signature(elastic.run).parameters) == ["func"]
+    state = inspect.signature(elastic.TorchState).parameters
+    assert list(state) == ["model", "optimizer", "kwargs"]
+    assert state["model"].default is None and state["optimizer"].default is None
+    assert state["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    name, expected = parse("ElasticSampler(dataset, shuffle=True, seed=0)", {})
+    check(name, inspect.signature(elastic.ElasticSampler), expected)
+    for method in ("set_epoch", "record_batch", "record_indices", "get_indices", "state_dict",
+                   "load_state_dict", "reset"):
+        assert callable(getattr(elastic.ElasticSampler, method)), method
+    for method in ("commit", "save", "restore", "sync", "check_host_updates", "register_reset_callbacks",
+                   "on_reset"):
+        assert callable(getattr(elastic.TorchState, method)), method
