@@ -196,6 +196,8 @@ def _many_resets_job() -> dict[str, Any]:
         total = hora.allreduce(np.ones(1 << 16), op=hora.Sum, name="work")  # use the world's transport
         calls.append({"generation": _generation(), "pid": os.getpid(), "sum": float(total[0]),
                       **_resources()})
+        # No rank leaves this world (its peers' engines then stop) before every rank has looked.
+        hora.allreduce(np.ones(1), op=hora.Sum, name="looked")
         if len(calls) <= RESETS:
             raise HorovodInternalError("a peer failed (simulated on every rank)")
         return state.step
