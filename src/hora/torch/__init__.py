@@ -42,3 +42,4 @@ from hora.torch.mpi_ops import (
 )
 from hora.torch.optimizer import DistributedOptimizer
 from hora.torch.sync_batch_norm import SyncBatchNorm
+from hora.torch import elastic  # noqa: E402,F401 - hvd.elastic.run, as after `import horovod.torch as hvd`
