@@ -222,3 +222,33 @@ def test_twenty_resets_in_a_row_leak_no_threads_sockets_or_shared_memory_world_s
         assert out["after_shutdown"]["threads"] == out["before_init"]["threads"]
         assert out["after_shutdown"]["fds"] == out["before_init"]["fds"]
         assert out["after_shutdown"]["shm_mapped"] == out["before_init"]["shm_mapped"] == 0
+
+
+def _elastic_mode_without_driver_job() -> dict[str, Any]:
+    hora.init()
+    state = hora.elastic.ObjectState(step=0)
+
+    @hora.elastic.run
+    def train(state: hora.elastic.ObjectState) -> None:
+        hora.allreduce(np.array([1.0]), op=hora.Sum, name="work")
+        raise HorovodInternalError("a peer failed (simulated on every rank)")
+
+    try:
+        train(state)
+        outcome = "returned"
+    except hora.HoraError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    initialised = hora.is_initialized()
+    hora.shutdown()
+    return {"outcome": outcome, "initialised": initialised}
+
+
+def test_in_elastic_mode_a_reset_with_no_driver_to_open_the_round_fails_after_the_start_timeout_world_size_2():
+    # HORA_ELASTIC=1 makes init() after shutdown() wait for the driver's round; no driver exists
+    # yet, so the wait must end, in an error that says what was missing.
+    results = hora.run(_elastic_mode_without_driver_job, np=2, start_timeout=5,
+                       env={**JOB_ENV, "HORA_ELASTIC": "1", "HORA_START_TIMEOUT": "5"})
+    for out in results:
+        assert out["outcome"].startswith("HoraError: no rendezvous round after 0 was opened within 5 s")
+        assert "elastic driver" in out["outcome"]
+        assert out["initialised"] is False

@@ -11,7 +11,7 @@ previous one, and host changes are announced only by whoever writes the store ke
 (:mod:`hora.elastic.notification`).
 """
 
-from hora.elastic.run import run, run_fn
+from hora.elastic.loop import ResetLimitError, run, run_fn
 from hora.elastic.state import ObjectState, State
 
-__all__ = ["State", "ObjectState", "run", "run_fn"]
+__all__ = ["State", "ObjectState", "run", "run_fn", "ResetLimitError"]
