@@ -196,3 +196,24 @@ class Communicator(abc.ABC):
 
 class TransportUnavailable(HoraError):
     """The requested transport cannot run here (library missing, no device, ...)."""
+
+
+class MemberCommunicator(Communicator):
+    """A communicator over an explicit list of the job's ranks (``_members``), this process being
+    member ``_rank``: the identity every point-to-point transport shares."""
+
+    _rank: int
+    _members: list[int]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self._members)
+
+    @property
+    def global_rank(self) -> int:
+        return self._members[self._rank]
+

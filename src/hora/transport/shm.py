@@ -25,7 +25,7 @@ from hora import config
 from hora.errors import PeerFailureError
 from hora.rendezvous.client import RendezvousClient
 from hora.transport.base import (
-    Communicator,
+    MemberCommunicator,
     ReduceOp,
     TransportUnavailable,
     check_buffer,
@@ -51,7 +51,7 @@ _LIVENESS_EVERY_S = 0.05
 _T = TypeVar("_T")
 
 
-class ShmCommunicator(Communicator):
+class ShmCommunicator(MemberCommunicator):
     """Collectives through shared memory among ranks of one host."""
 
     name = "shm"
@@ -96,19 +96,7 @@ class ShmCommunicator(Communicator):
             self.close()  # the mesh's sockets and threads, and any segment already mapped
             raise
 
-    # ---- identity and failure -----------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return len(self._members)
-
-    @property
-    def global_rank(self) -> int:
-        return self._members[self._rank]
+    # ---- failure -----------------------------------------------------------------------
 
     def _check_open(self, what: str) -> None:
         if self._guard.closed:

@@ -27,7 +27,7 @@ from hora import config
 from hora.errors import PeerFailureError
 from hora.rendezvous.auth import secret_bytes
 from hora.rendezvous.client import RendezvousClient
-from hora.transport.base import Communicator, ReduceOp, check_buffer, check_counts, check_root
+from hora.transport.base import MemberCommunicator, ReduceOp, check_buffer, check_counts, check_root
 from hora.transport.guard import CollectiveGuard
 from hora.transport.layout import bytes_of, count_offsets, split_offsets
 from hora.transport.reduce import check_op, reduction_ufunc
@@ -41,7 +41,7 @@ _TIMEVAL = struct.Struct("ll")
 DIRECT_MAX_PEERS = 8
 
 
-class TcpCommunicator(Communicator):
+class TcpCommunicator(MemberCommunicator):
     """Ring and direct collectives over authenticated TCP sockets."""
 
     name = "tcp"
@@ -89,19 +89,7 @@ class TcpCommunicator(Communicator):
         self._guard = CollectiveGuard(store, scope, self._members, rank, self.timeout,
                                       cut=self.shutdown_connections, flush=self._sender.flush)
 
-    # ---- identity -----------------------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return len(self._members)
-
-    @property
-    def global_rank(self) -> int:
-        return self._members[self._rank]
+    # ---- sockets ------------------------------------------------------------------------------
 
     def _set_timeouts(self, sock: socket.socket) -> None:
         """OS-level timeouts keep sockets blocking (one syscall per chunk) yet bounded."""
