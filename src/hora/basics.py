@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import threading
 from typing import Any, Sequence
 
@@ -15,8 +16,10 @@ from hora.engine.engine import Engine
 from hora.engine.request import Handle, Kind, Request, signature
 from hora.engine.timeline import Timeline
 from hora.errors import HoraError
-from hora.runtime import Coordinates, Joined, Runtime, assemble
+from hora.runtime import Coordinates, Joined, NotInRoundError, Runtime, assemble
 from hora.transport.base import ReduceOp
+
+logger = logging.getLogger("hora")
 
 # Reduce ops: the one ReduceOp type, with Horovod's values, so code that stores or compares them keeps working.
 Average = ReduceOp.AVERAGE
@@ -97,7 +100,13 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
         if comm is not None and hasattr(comm, "Get_rank"):
             raise HoraError("init(comm=<MPI communicator>) needs the MPI transport, which hora lacks yet; "
                             "pass a list of ranks or start workers with `hora run`")
-        runtime = assemble(comm, _ctx.last_joined)
+        try:
+            runtime = assemble(comm, _ctx.last_joined)
+        except NotInRoundError as exc:
+            # Elastic: the driver dropped this worker's host (or slot) from the world. There is
+            # nothing left for it to do, and exiting cleanly is how the driver expects it to leave.
+            logger.warning("%s; this worker exits", exc)
+            raise SystemExit(0) from None
         _ctx.runtime, _ctx.last_joined = runtime, runtime.joined
         _ctx.engine, _ctx.coordinates = runtime.engine, runtime.coordinates
         global_process_set.ranks = list(range(runtime.coordinates.size))

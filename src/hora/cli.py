@@ -9,6 +9,7 @@ from a Python exception, that exception.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from typing import Sequence
@@ -102,7 +103,7 @@ def _usage_error(message: str) -> int:
 def run_main(argv: Sequence[str]) -> int:
     """``hora run``: parse, validate, launch, and report how the job ended."""
     from hora.runner.job import Job
-    from hora.runner.run_args import UsageError, knob_environment, notes, parse_run_args, resolve_hosts
+    from hora.runner.run_args import UsageError, is_elastic, knob_environment, notes, parse_run_args, resolve_hosts
     from hora.runner.ssh import SshOptions
 
     try:
@@ -111,12 +112,15 @@ def run_main(argv: Sequence[str]) -> int:
         return _usage_error(str(exc))
     if args.check_build:
         return check_main([])
-    if args.np is None:
+    elastic = is_elastic(args)
+    if args.np is None and not (elastic and args.min_np is not None):
         return _usage_error("-np/--num-proc is required (the number of workers to start)")
     command = args.command
     if not command:
         return _usage_error("missing the command to run, e.g. hora run -np 2 python train.py")
     _configure_logging(bool(args.verbose), args.log_level)
+    if elastic:
+        return _run_elastic(args, command)
     for note in notes(args):
         logger.info("%s", note)
     try:
@@ -139,6 +143,29 @@ def run_main(argv: Sequence[str]) -> int:
     except LaunchError as exc:
         print(f"hora run: error: {exc}", file=sys.stderr)
         return 1
+    message = outcome.message()
+    if message:
+        print(f"hora run: {message}", file=sys.stderr, flush=True)
+    return outcome.exit_code
+
+
+def _run_elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
+    """``hora run`` with --min-np/--max-np/--host-discovery-script: the elastic driver runs the job."""
+    from hora.runner.elastic_launch import ElasticRequest, run_elastic
+    from hora.runner.run_args import knob_environment, notes
+    from hora.runner.ssh import SshOptions
+
+    for note in notes(args):
+        logger.info("%s", note)
+    try:
+        request = ElasticRequest.from_args(args)
+        ssh = SshOptions.from_config(port=args.ssh_port, identity_file=args.ssh_identity_file)
+        outcome = run_elastic(request, command, extra_env=knob_environment(args),
+                              output_dir=args.output_filename, ssh=ssh,
+                              network_interfaces=args.network_interfaces,
+                              timestamps=bool(args.prefix_output_with_timestamp), handle_signals=True)
+    except (ConfigError, LaunchError) as exc:
+        return _usage_error(str(exc))
     message = outcome.message()
     if message:
         print(f"hora run: {message}", file=sys.stderr, flush=True)

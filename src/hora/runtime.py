@@ -27,7 +27,7 @@ from hora.engine.timeline import Timeline
 from hora.errors import HoraError
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
-from hora.rendezvous.rounds import Round
+from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import RendezvousServer
 from hora.runner import identity
 from hora.transport import world as world_formation
@@ -154,6 +154,10 @@ def _choose_round(store: RendezvousClient, me: identity.WorkerIdentity | None,
         return opened, 0
     if opened.hosts:
         rank = opened.rank_for(me.hostname, me.local_rank)
+        if rank is None and config.get("elastic"):
+            raise NotInRoundError(f"rendezvous round {opened.generation} has no slot for {me.hostname} "
+                                  f"slot {me.local_rank}: the elastic driver left this worker out of the "
+                                  f"job's world (its hosts are now {_plan_text(opened)})")
         if rank is None:
             raise HoraError(f"rendezvous round {opened.generation} has no slot for {me.hostname} slot "
                             f"{me.local_rank} (its hosts are {list(opened.hosts)})")
@@ -162,6 +166,14 @@ def _choose_round(store: RendezvousClient, me: identity.WorkerIdentity | None,
         raise HoraError(f"rendezvous round {opened.generation} has {opened.size} ranks but "
                         f"{config.knob('size').env}={me.size}")
     return opened, me.rank
+
+
+class NotInRoundError(HoraError):
+    """An elastic worker whose host slot the driver left out of the new world: it has nothing to do."""
+
+
+def _plan_text(opened: Round) -> str:
+    return ",".join(f"{host}:{slots}" for host, slots in opened.hosts)
 
 
 def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
@@ -187,14 +199,29 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
             store = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, secret,
                                      connect_timeout=float(config.get("start_timeout")))
             hostname = me.hostname
-        current, my_rank = _choose_round(store, me, previous)
-        members = list(range(current.size)) if comm is None else sorted(int(r) for r in comm)
-        if my_rank not in members:
-            raise ValueError(f"rank {my_rank} is not in init(comm={members})")
-        joined = Joined(store.join_round(current.generation, my_rank, hostname), private=me is None,
-                        job="" if me is None else me.job_id)
-        scope = current.prefix + ("world" if comm is None else "world-" + "-".join(map(str, members)))
-        world, topology = world_formation.form_world(members.index(my_rank), members, store, scope, secret)
+        while True:
+            current, my_rank = _choose_round(store, me, previous)
+            members = list(range(current.size)) if comm is None else sorted(int(r) for r in comm)
+            if my_rank not in members:
+                raise ValueError(f"rank {my_rank} is not in init(comm={members})")
+            scope = current.prefix + ("world" if comm is None else "world-" + "-".join(map(str, members)))
+            try:
+                joined = Joined(store.join_round(current.generation, my_rank, hostname), private=me is None,
+                                job="" if me is None else me.job_id)
+                world, topology = world_formation.form_world(members.index(my_rank), members, store,
+                                                             scope, secret)
+                break
+            except StaleRoundError:
+                # The elastic driver replaced this round before its world formed (another worker
+                # failed meanwhile, or hosts changed again): join the round that replaced it.
+                if me is None or not config.get("elastic"):
+                    raise
+                logger.info("rank %d: rendezvous round %d was replaced before its world formed; "
+                            "joining the next one", my_rank, current.generation)
+                if world is not None:
+                    _quietly("closing a half-formed world", world.close)
+                    world = None
+                previous = Joined(current, private=False, job=me.job_id)
         coordinates = _coordinates(world, topology, me)
         if coordinates.rank == 0:
             _warn_unbuilt_knobs()
@@ -223,7 +250,9 @@ def _coordinates(world: Communicator, topology: Topology,
     rank = world.rank
     local_rank, local_size = topology.local(rank)
     cross_rank, cross_size = topology.cross(rank)
-    if me is not None and world.size == me.size and me.local_rank != local_rank:
+    # An elastic driver's hosts are its own units (localhost and 127.0.0.1 are two of them), so its
+    # slot numbers need not match the kernel's view of who shares a machine.
+    if me is not None and world.size == me.size and me.local_rank != local_rank and not config.get("elastic"):
         logger.warning("rank %d: the launcher says local rank %s, but ranks sharing this host make it %d",
                        rank, me.local_rank, local_rank)
     return Coordinates(rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.homogeneous)

@@ -41,13 +41,17 @@ class KeyValueStore:
         # finishing their last collective, or a group formed by init(comm=...) that is not
         # re-forming) keep using its keys.
         self._sealed = -1
+        # Rounds superseded before they completed, by a driver that said so: they can never complete
+        # (their joins are refused), so whoever waits on their keys is told at once instead of
+        # waiting for a world that will not form.
+        self._abandoned: set[int] = set()
 
     # ---- keys ------------------------------------------------------------------------------------
 
     def _check_key(self, key: str) -> None:
         """Refuse a key of a round older than the newest complete one (caller holds the lock)."""
         generation = generation_of_key(key)
-        if generation is not None and generation < self._sealed:
+        if generation is not None and (generation < self._sealed or generation in self._abandoned):
             raise StaleRoundError(stale_message(generation, self._current, f"key {key!r}"))
 
     def set(self, key: str, value: bytes) -> None:
@@ -138,12 +142,14 @@ class KeyValueStore:
             return self._current
 
     def open_round(self, size: int, hosts: Iterable[tuple[str, int]] = (),
-                   expect_current: int | None = None) -> Round:
+                   expect_current: int | None = None, supersede: bool = False) -> Round:
         """Open the next round (generation current + 1) with ``size`` ranks and an optional host plan.
 
         With ``expect_current``, open only if the current generation is that one; when a newer round
         is already open (another worker or the driver got there first) return it instead, so every
-        worker that re-forms the same world ends up in the same round.
+        worker that re-forms the same world ends up in the same round. ``supersede`` (the elastic
+        driver's) abandons every incomplete older round: waits on its keys raise
+        :class:`StaleRoundError` at once, and its joiners move on to the new round.
         """
         plan = tuple((str(h), int(s)) for h, s in hosts)
         check_plan(int(size), plan)
@@ -153,6 +159,8 @@ class KeyValueStore:
                     return self._rounds[self._current]
                 raise RendezvousError(f"cannot open the round after {expect_current}: the current "
                                       f"round is {self._current}")
+            if supersede:
+                self._abandoned.update(g for g, r in self._rounds.items() if not r.complete)
             opened = Round(self._current + 1, int(size), plan)
             self._current = opened.generation
             self._rounds[opened.generation] = opened
@@ -202,6 +210,7 @@ class KeyValueStore:
                 self._sealed = max(self._sealed, generation)
                 for old in [g for g in self._rounds if g < generation]:
                     del self._rounds[old]
+                self._abandoned = {g for g in self._abandoned if g >= self._sealed}
                 for key in [k for k in self._data if _older(k, generation)]:
                     del self._data[key]
             self._changed.notify_all()

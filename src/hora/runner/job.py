@@ -62,8 +62,11 @@ class Job:
         network_interfaces: Sequence[str] | None = None,
         cwd: str | None = None,
         timestamps: bool = False,
+        all_hosts: bool = False,
     ) -> None:
-        used = hosts_used(list(hosts), np)
+        # An elastic job may use every host it was given (its driver decides the layout later), so
+        # all of them count for where the store listens; a fixed job only the ones its ranks fill.
+        used = list(hosts) if all_hosts else hosts_used(list(hosts), np)
         self.slots = assign_slots(list(hosts), np)
         self.np = np
         self.remote_hosts = [host.name for host in used if not is_local_host(host.name)]
@@ -84,6 +87,8 @@ class Job:
                 raise LaunchError(f"--network-interfaces on this machine: {exc}") from None
         self._server: RendezvousServer | None = None
         self.context: JobContext | None = None
+        # Whether the store listens on loopback only (every host was this machine at the start).
+        self.local_only = True
 
     def __enter__(self) -> "Job":
         bind = LOCAL_BIND_ADDRESS
@@ -92,6 +97,7 @@ class Job:
             check_reachable(self.remote_hosts, self._ssh)
             bind = launcher_address(self.remote_hosts, self._interfaces)
         secret = new_secret()  # fresh per job: a worker of another job cannot join this one
+        self.local_only = bind == LOCAL_BIND_ADDRESS
         self._server = RendezvousServer(secret, host=bind, port=0).start()
         host, port = self._server.address
         self.context = JobContext.fresh(host, port, secret=secret)
@@ -114,14 +120,19 @@ class Job:
         command = self._command(slot) if callable(self._command) else self._command
         return [str(part) for part in command]
 
-    def _spec(self, slot: SlotInfo) -> WorkerSpec:
-        assert self.context is not None
-        env = worker_environment(slot, self.context, base=self._base_env, extra=self._extra_env)
-        if slot.hostname not in self.remote_hosts:
+    def spec_for(self, slot: SlotInfo, extra_env: Mapping[str, str] | None = None) -> WorkerSpec:
+        """The worker to start for ``slot``: here, or over SSH when its host is another machine
+        (the elastic driver starts workers for hosts found after the job began this way)."""
+        if self.context is None:
+            raise RuntimeError("enter the Job before building worker specs")
+        extra = {**self._extra_env, **(extra_env or {})}
+        env = worker_environment(slot, self.context, base=self._base_env, extra=extra)
+        if slot.hostname not in self.remote_hosts and is_local_host(slot.hostname):
             if self._local_iface is not None:
                 env.update(config.env_for("iface", self._local_iface, with_alias=False))
             return WorkerSpec(slot.rank, slot.hostname, self._argv(slot), env)
-        assert self._ssh is not None
+        if self._ssh is None:
+            self._ssh = SshOptions.from_config()
         target = RemoteTarget(ssh=self._ssh, cwd=self._cwd, job_id=self.context.job_id,
                               interfaces=self._interfaces, kill_grace=float(self._kill_grace))
         return WorkerSpec(slot.rank, slot.hostname, self._argv(slot), forwarded_environment(env),
@@ -131,7 +142,16 @@ class Job:
         """Each rank's command line, full environment and (for remote ranks) how to reach its host."""
         if self.context is None:
             raise RuntimeError("enter the Job before building worker specs")
-        return [self._spec(slot) for slot in self.slots]
+        return [self.spec_for(slot) for slot in self.slots]
+
+    @property
+    def router(self) -> OutputRouter:
+        """Where the workers' output goes (shared with the elastic driver)."""
+        return self._router
+
+    @property
+    def kill_grace(self) -> float:
+        return float(self._kill_grace)
 
     def run(self, handle_signals: bool = False) -> JobOutcome:
         """Start every rank and supervise until success, the first failure, or a launcher signal."""

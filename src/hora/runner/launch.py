@@ -166,6 +166,33 @@ class _SignalTrap:
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
 
 
+def start_worker(spec: WorkerSpec, router: OutputRouter, label: int) -> LocalWorker | RemoteWorker:
+    """Start one worker and forward its output under ``label`` (its rank, in a fixed-size job).
+
+    Raises :class:`LaunchError` naming the rank, host and reason when it cannot be started.
+    """
+    files = router.prepare_files(label)
+    worker: LocalWorker | RemoteWorker
+    try:
+        if spec.remote is None:
+            worker = LocalWorker(spec.argv, spec.env)
+        else:
+            worker = RemoteWorker(spec.rank, spec.host, spec.argv, spec.env, spec.remote)
+    except OSError as exc:
+        for handle in files.values():
+            handle.close()
+        reason = exc.strerror or str(exc)
+        program = spec.argv[0] if spec.remote is None else spec.remote.ssh.command[0]
+        raise LaunchError(f"cannot start rank {spec.rank} on {spec.host}: {reason}: {program!r}") from None
+    logger.info("started rank %d on %s (%s): %s", spec.rank, spec.host, worker.describe(), " ".join(spec.argv))
+    if isinstance(worker, RemoteWorker):
+        threads = router.attach(label, worker.stdout, worker.stderr, files, stderr_filter=worker.filter_stderr)
+        worker.attach_stderr_thread(threads.get("stderr"))
+    else:
+        router.attach(label, worker.stdout, worker.stderr, files)
+    return worker
+
+
 class _Supervisor:
     def __init__(self, specs: Sequence[WorkerSpec], router: OutputRouter, kill_grace: float,
                  trap: _SignalTrap) -> None:
@@ -181,32 +208,10 @@ class _Supervisor:
 
     def start_all(self) -> None:
         for spec in self.specs:
-            files = self.router.prepare_files(spec.rank)
-            worker: LocalWorker | RemoteWorker
-            try:
-                if spec.remote is None:
-                    worker = LocalWorker(spec.argv, spec.env)
-                else:
-                    worker = RemoteWorker(spec.rank, spec.host, spec.argv, spec.env, spec.remote)
-            except OSError as exc:
-                for handle in files.values():
-                    handle.close()
-                reason = exc.strerror or str(exc)
-                program = spec.argv[0] if spec.remote is None else spec.remote.ssh.command[0]
-                raise LaunchError(
-                    f"cannot start rank {spec.rank} on {spec.host}: {reason}: {program!r}"
-                ) from None
-            logger.info("started rank %d on %s (%s): %s", spec.rank, spec.host, worker.describe(),
-                        " ".join(spec.argv))
+            worker = start_worker(spec, self.router, spec.rank)
             self.workers[spec.rank] = worker
             self.running.add(spec.rank)
             self.outcome.returncodes[spec.rank] = None
-            if isinstance(worker, RemoteWorker):
-                threads = self.router.attach(spec.rank, worker.stdout, worker.stderr, files,
-                                             stderr_filter=worker.filter_stderr)
-                worker.attach_stderr_thread(threads.get("stderr"))
-            else:
-                self.router.attach(spec.rank, worker.stdout, worker.stderr, files)
             threading.Thread(target=self._wait_for, args=(spec.rank, worker),
                              name=f"hora-wait-{spec.rank}", daemon=True).start()
 

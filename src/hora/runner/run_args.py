@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE",
                        help="file of 'host slots=N' lines ('#' comments)")
     hosts.add_argument("--host-discovery-script", metavar="SCRIPT",
-                       help="elastic training: not built yet, refused")
+                       help="elastic training: a command printing the usable hosts, one host:slots "
+                            "per line; run every second")
 
     remote = parser.add_argument_group("remote hosts (ranks on other hosts start over SSH)")
     remote.add_argument("-p", "--ssh-port", type=port_number, metavar="PORT",
@@ -200,13 +201,21 @@ def build_parser() -> argparse.ArgumentParser:
     autotune.add_argument("--autotune-gaussian-process-noise", type=unit_interval, metavar="X",
                           help="refused: autotune is not built yet")
 
-    elastic = parser.add_argument_group("elastic training (not built yet: these flags are refused)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=positive_int, metavar="N")
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=positive_int, metavar="N")
-    elastic.add_argument("--slots-per-host", dest="slots_per_host", type=positive_int, metavar="N")
-    elastic.add_argument("--elastic-timeout", type=positive_float, metavar="SECONDS")
-    elastic.add_argument("--reset-limit", type=nonneg_int, metavar="N")
-    elastic.add_argument("--blacklist-cooldown-range", type=nonneg_int, nargs=2, metavar=("MIN", "MAX"))
+    elastic = parser.add_argument_group(
+        "elastic training (on with --min-np, --max-np or --host-discovery-script; docs/elastic.md)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=positive_int, metavar="N",
+                         help="fewest workers to train with (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=positive_int, metavar="N",
+                         help="most workers to train with (default: as many slots as the hosts offer)")
+    elastic.add_argument("--slots-per-host", dest="slots_per_host", type=positive_int, metavar="N",
+                         help="slots of a discovered host printed without a count (default 1)")
+    elastic.add_argument("--elastic-timeout", type=positive_float, metavar="SECONDS",
+                         help="how long to wait for --min-np slots, or for a world to form (default 600)")
+    elastic.add_argument("--reset-limit", type=nonneg_int, metavar="N",
+                         help="stop after the world was re-formed N times (default: no limit)")
+    elastic.add_argument("--blacklist-cooldown-range", type=nonneg_int, nargs=2, metavar=("MIN", "MAX"),
+                         help="a failed host returns after MIN*2^(failures-1) s, at most MAX s "
+                              "(default: never)")
 
     timeline = parser.add_argument_group("timeline")
     timeline.add_argument("--timeline-filename", metavar="FILE",
@@ -277,12 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- what hora cannot honour yet -------------------------------------------------------------------
 
 # Why hora refuses what it does not have yet; shared with hora.run (:mod:`hora.runner.api`).
-ELASTIC_NOT_BUILT = ("elastic training is not built yet in hora (a later release adds it); "
-                     "start a fixed-size job")
 NO_MPI_CONTROLLER = ("hora has no MPI controller yet; workers always use hora's built-in "
                      "controller (the one --gloo and use_gloo name)")
 NO_MPIRUN = "hora does not start workers through mpirun, so there is nothing to pass MPI arguments to"
-_ELASTIC = ELASTIC_NOT_BUILT
+_ELASTIC_ONLY = ("only applies to elastic jobs; add --min-np/--max-np or --host-discovery-script "
+                 "to make this one elastic")
 _AUTOTUNE_SETTING = ("only used by autotune, which is not built yet in hora; "
                      "set --fusion-threshold-mb and --cycle-time-ms yourself")
 _NO_TIMESTAMPS = ("hora's log lines carry no timestamp; "
@@ -297,13 +305,10 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("autotune_steps_per_sample", None, _AUTOTUNE_SETTING),
     ("autotune_bayes_opt_max_samples", None, _AUTOTUNE_SETTING),
     ("autotune_gaussian_process_noise", None, _AUTOTUNE_SETTING),
-    ("min_np", None, _ELASTIC),
-    ("max_np", None, _ELASTIC),
-    ("slots_per_host", None, _ELASTIC),
-    ("elastic_timeout", None, _ELASTIC),
-    ("reset_limit", None, _ELASTIC),
-    ("blacklist_cooldown_range", None, _ELASTIC),
-    ("host_discovery_script", None, _ELASTIC),
+    ("slots_per_host", None, _ELASTIC_ONLY),
+    ("elastic_timeout", None, _ELASTIC_ONLY),
+    ("reset_limit", None, _ELASTIC_ONLY),
+    ("blacklist_cooldown_range", None, _ELASTIC_ONLY),
     ("use_mpi", True, NO_MPI_CONTROLLER),
     ("use_jsrun", True, "hora cannot start workers through jsrun (LSF); list the hosts with "
                         "-H or --hostfile and hora starts them itself"),
@@ -347,12 +352,20 @@ def check_supported(args: argparse.Namespace, parser: argparse.ArgumentParser | 
     """Raise :class:`UnsupportedOption` for the first option hora cannot honour yet."""
     parser = parser or build_parser()
     sources: dict[str, str] = getattr(args, "config_sources", {})
+    elastic = is_elastic(args)
     for dest, refused, why in _REFUSED:
         value = getattr(args, dest, None)
         if value is None or (refused is not None and value is not refused):
             continue
+        if why is _ELASTIC_ONLY and elastic:
+            continue
         where = sources.get(dest) or _flag_name(parser, dest, value)
         raise UnsupportedOption(f"{where}: {why}")
+
+
+def is_elastic(args: argparse.Namespace) -> bool:
+    """Whether the command line asks for an elastic job (as horovodrun decides it)."""
+    return any(getattr(args, dest, None) is not None for dest in ("min_np", "max_np", "host_discovery_script"))
 
 
 def notes(args: argparse.Namespace) -> list[str]:

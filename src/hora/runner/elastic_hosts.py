@@ -1,0 +1,113 @@
+"""Which hosts an elastic job may use, and how its world is laid out on them.
+
+The driver feeds every discovery answer to a :class:`HostRegistry` and blacklists the host of every
+worker that fails. Without a cooldown range a blacklisted host is out for the rest of the job. With
+``--blacklist-cooldown-range LO HI``, the host's n-th failure keeps it out for ``LO * 2**(n-1)``
+seconds, at most ``HI``, plus up to one second of jitter so hosts that failed together do not come
+back together. A flaky host thus waits longer each time, and a host that recovered is used again.
+
+:func:`plan_world` turns the usable hosts into the next round's plan. Hosts of the current world
+come first, in their current order, then new hosts in discovery order, and the total is capped at
+``max_np``. Ranks are handed out host by host in plan order, so a surviving worker keeps its rank
+whenever no host before it lost slots, and rank 0 (which shares its state with newcomers) stays on
+a surviving host.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hora.runner.discovery import HostSlots
+from hora.runner.hosts import Host, SlotInfo, assign_slots
+
+logger = logging.getLogger(__name__)
+
+Plan = tuple[tuple[str, int], ...]
+
+
+@dataclass
+class _Blacklisting:
+    failures: int
+    until: float | None  # monotonic time it may return; None: never
+
+
+class HostRegistry:
+    """The discovered hosts minus the blacklisted ones."""
+
+    def __init__(self, cooldown_range: Sequence[float] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[], float] = random.random) -> None:
+        if cooldown_range is not None:
+            low, high = (float(v) for v in cooldown_range)
+            if low < 0 or high < low:
+                raise ValueError(f"the blacklist cooldown range needs 0 <= MIN <= MAX, got {low:g} {high:g}")
+            cooldown_range = (low, high)
+        self._cooldown = cooldown_range
+        self._clock = clock
+        self._jitter = jitter
+        self._discovered: HostSlots = {}
+        self._blacklist: dict[str, _Blacklisting] = {}
+
+    def update(self, discovered: HostSlots) -> None:
+        self._discovered = dict(discovered)
+
+    @property
+    def discovered(self) -> HostSlots:
+        return dict(self._discovered)
+
+    def blacklist(self, host: str) -> float | None:
+        """Keep ``host`` out after a failure; returns the seconds it stays out (None: for good)."""
+        entry = self._blacklist.get(host)
+        failures = 1 if entry is None else entry.failures + 1
+        if self._cooldown is None:
+            self._blacklist[host] = _Blacklisting(failures, None)
+            return None
+        low, high = self._cooldown
+        delay = min(high, low * 2 ** (failures - 1)) + self._jitter()
+        self._blacklist[host] = _Blacklisting(failures, self._clock() + delay)
+        return delay
+
+    def is_blacklisted(self, host: str) -> bool:
+        entry = self._blacklist.get(host)
+        return entry is not None and (entry.until is None or self._clock() < entry.until)
+
+    def cooling_down(self) -> bool:
+        """Whether some blacklisted host may come back later."""
+        now = self._clock()
+        return any(e.until is not None and now < e.until for e in self._blacklist.values())
+
+    def usable(self) -> HostSlots:
+        """Discovered hosts that are not blacklisted now, in discovery order."""
+        return {host: slots for host, slots in self._discovered.items() if not self.is_blacklisted(host)}
+
+
+def plan_world(usable: HostSlots, current: Plan, max_np: int | None) -> Plan:
+    """The next round's hosts and slots: current hosts first (in order), then new ones, capped at max_np."""
+    ordered = [(host, usable[host]) for host, _ in current if host in usable]
+    ordered += [(host, slots) for host, slots in usable.items() if host not in dict(current)]
+    plan: list[tuple[str, int]] = []
+    room = max_np if max_np is not None else sum(slots for _, slots in ordered)
+    for host, slots in ordered:
+        if room <= 0:
+            break
+        take = min(slots, room)
+        plan.append((host, take))
+        room -= take
+    return tuple(plan)
+
+
+def plan_size(plan: Plan) -> int:
+    return sum(slots for _, slots in plan)
+
+
+def plan_slots(plan: Plan) -> list[SlotInfo]:
+    """Every rank's coordinates under ``plan`` (what a worker started for it is told)."""
+    return assign_slots([Host(host, slots) for host, slots in plan], plan_size(plan))
+
+
+def describe_plan(plan: Plan) -> str:
+    return ",".join(f"{host}:{slots}" for host, slots in plan) or "no hosts"
