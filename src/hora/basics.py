@@ -80,6 +80,7 @@ class _Context:
         self.engine: Engine | None = None
         self.coordinates: Coordinates | None = None
         self.last_joined: Joined | None = None  # the round the last runtime took part in
+        self.last_rank: int | None = None  # this process's rank in that round (hora.run's results)
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
         self.op_names = itertools.count()
@@ -108,6 +109,7 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
             logger.warning("%s; this worker exits", exc)
             raise SystemExit(0) from None
         _ctx.runtime, _ctx.last_joined = runtime, runtime.joined
+        _ctx.last_rank = runtime.coordinates.rank
         _ctx.engine, _ctx.coordinates = runtime.engine, runtime.coordinates
         global_process_set.ranks = list(range(runtime.coordinates.size))
         _ctx.process_sets = {0: global_process_set}

@@ -157,13 +157,13 @@ def test_every_horovod_run_keyword_is_accepted_world_size_2(tmp_path):
 
 
 @pytest.mark.parametrize("options, fragment", [
-    ({"min_num_proc": 1}, "min_num_proc: elastic training is not built yet"),
-    ({"min_np": 1}, "min_np: elastic training is not built yet"),
-    ({"max_num_proc": 4}, "max_num_proc: elastic training is not built yet"),
-    ({"max_np": 4}, "max_np: elastic training is not built yet"),
-    ({"slots": 2}, "slots: elastic training is not built yet"),
-    ({"reset_limit": 1}, "reset_limit: elastic training is not built yet"),
-    ({"cooldown_range": (10, 100)}, "cooldown_range: elastic training is not built yet"),
+    ({"slots": 2}, "slots only applies to elastic jobs"),
+    ({"reset_limit": 1}, "reset_limit only applies to elastic jobs"),
+    ({"cooldown_range": (10, 100)}, "cooldown_range only applies to elastic jobs"),
+    ({"elastic_timeout": 5}, "elastic_timeout only applies to elastic jobs"),
+    ({"min_np": 3, "max_np": 2}, "--min-np 3 is greater than --max-np 2"),
+    ({"min_np": 1, "min_num_proc": 2}, "min_num_proc or min_np, not both"),
+    ({"max_np": 2, "discovery": "x.sh", "hosts": "localhost:2"}, "give one source of hosts"),
     ({"use_mpi": True}, "use_mpi: hora has no MPI controller yet"),
     ({"mpi_args": "--map-by ppr:2:node"}, "mpi_args: hora does not start workers through mpirun"),
     ({"use_gloo": True, "use_mpi": True}, "use_gloo and use_mpi"),

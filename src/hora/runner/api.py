@@ -24,7 +24,10 @@ from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
 from hora.runner.job import Job
 from hora.runner.ssh import SshOptions
 from hora.runner.launch import JobOutcome
-from hora.runner.run_args import ELASTIC_NOT_BUILT, NO_MPI_CONTROLLER, NO_MPIRUN, UnsupportedOption
+from hora.runner.discovery import DiscoveryFunction
+from hora.runner.elastic_driver import ElasticOutcome
+from hora.runner.elastic_launch import ElasticRequest, run_elastic
+from hora.runner.run_args import NO_MPI_CONTROLLER, NO_MPIRUN, UnsupportedOption
 from hora.runner.task import FUNC_KEY, SYS_PATH_KEY, result_key
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ def run(
     *,
     env: Mapping[str, str] | None = None,
     kill_grace: float | None = None,
+    discovery: str | DiscoveryFunction | None = None,
+    elastic_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``num_proc`` workers; return each rank's result in rank order.
 
@@ -74,12 +79,20 @@ def run(
     --network-interfaces`` takes. ``use_gloo`` and ``disable_cache`` are accepted and change
     nothing (hora's built-in controller is its only one; it caches no start-up checks). What
     hora does not have yet is refused with a :class:`ConfigError` (a ``ValueError``) before
-    anything starts: the elastic parameters (``min_num_proc``/``min_np``, ``max_num_proc``/
-    ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``), ``use_mpi`` and ``mpi_args``.
+    anything starts: ``use_mpi`` and ``mpi_args``.
 
-    Two keyword-only additions: ``env`` adds variables to the workers' environment (inherited
-    from this process), and ``kill_grace`` is the seconds between SIGTERM and SIGKILL when
-    stopping workers (default: the ``kill_grace`` knob).
+    Elastic jobs (docs/elastic.md): giving ``min_num_proc``/``min_np``, ``max_num_proc``/``max_np``
+    or ``discovery`` runs the job under the elastic driver, as ``hora run --min-np/--max-np`` does.
+    ``slots`` is the slots of a discovered host listed without a count, ``reset_limit`` and
+    ``cooldown_range`` (``(min_s, max_s)``) are ``--reset-limit`` and
+    ``--blacklist-cooldown-range``. The function should wrap its training in
+    ``hvd.elastic.run``; the result list holds one value per rank of the final world.
+
+    Keyword-only additions: ``env`` adds variables to the workers' environment (inherited from this
+    process), ``kill_grace`` is the seconds between SIGTERM and SIGKILL when stopping workers
+    (default: the ``kill_grace`` knob), ``discovery`` is a host discovery script (a command, as
+    ``--host-discovery-script``) or a function returning ``{host: slots}`` that the driver calls
+    every second, and ``elastic_timeout`` is ``--elastic-timeout`` (default 600 s).
 
     The first worker to fail stops the others. Its exception is re-raised here with
     ``exc.hora_rank`` set and the remote traceback in a note (and in ``exc.hora_remote_traceback``);
@@ -88,11 +101,18 @@ def run(
     """
     if not callable(func):
         raise TypeError(f"hora.run needs a callable, got {type(func).__name__}")
-    size = _resolve_num_proc(num_proc, np)
-    _refuse_unsupported(min_num_proc=min_num_proc, min_np=min_np, max_num_proc=max_num_proc,
-                        max_np=max_np, slots=slots, reset_limit=reset_limit,
-                        cooldown_range=cooldown_range, use_gloo=use_gloo, use_mpi=use_mpi,
-                        mpi_args=mpi_args)
+    _refuse_unsupported(use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
+    low = _same("min_num_proc", min_num_proc, "min_np", min_np)
+    high = _same("max_num_proc", max_num_proc, "max_np", max_np)
+    elastic = low is not None or high is not None or discovery is not None
+    if not elastic:
+        for name, value in (("slots", slots), ("reset_limit", reset_limit), ("cooldown_range", cooldown_range),
+                            ("elastic_timeout", elastic_timeout)):
+            if value is not None:
+                raise ConfigError(f"hora.run: {name} only applies to elastic jobs; give min_np/max_np "
+                                  "or discovery to make this one elastic")
+    size = _resolve_num_proc(num_proc, np) if not (elastic and num_proc is None and np is None and low) \
+        else low
     if hosts is not None and hostfile is not None:
         raise ConfigError("hora.run: give hosts or hostfile, not both")
     host_list = (
@@ -109,6 +129,18 @@ def run(
         network_interface = network_interface.split(",")
     interfaces = [name.strip() for name in network_interface or () if name.strip()] or None
 
+    if elastic:
+        request = ElasticRequest.build(
+            size, low, high,
+            None if hosts is None and hostfile is None
+            else parse_hosts(hosts) if hosts is not None else parse_hostfile(hostfile),
+            discovery_script=discovery if isinstance(discovery, str) else None,
+            discovery_function=None if isinstance(discovery, str) else discovery,
+            slots_per_host=slots, elastic_timeout=elastic_timeout, reset_limit=reset_limit,
+            cooldown_range=cooldown_range, where="hora.run")
+        with _verbose_logging(bool(verbose)):
+            return _run_elastic(request, command, payload, extra_env, output_filename, kill_grace,
+                                interfaces, SshOptions.from_config(port=ssh_port, identity_file=ssh_identity_file))
     with _verbose_logging(bool(verbose)):
         if disable_cache or use_gloo:
             logger.info("disable_cache and use_gloo change nothing: hora caches no start-up checks, "
@@ -125,6 +157,41 @@ def run(
     return _collect(outcome, blobs, hostnames)
 
 
+def _run_elastic(request: ElasticRequest, command: list[str], payload: bytes, extra_env: dict[str, str],
+                 output_dir: str | None, kill_grace: float | None, interfaces: list[str] | None,
+                 ssh: SshOptions) -> list[Any]:
+    """An elastic :func:`run`: the driver runs the job; results come from the final world's ranks."""
+    collected: dict[int, bytes | None] = {}
+
+    def put_function(store: Any) -> None:
+        store.set(SYS_PATH_KEY, json.dumps([p for p in sys.path if isinstance(p, str)]).encode())
+        store.set(FUNC_KEY, payload)
+
+    def take_results(store: Any, outcome: ElasticOutcome) -> None:
+        final = outcome.rounds[-1] if outcome.rounds else None
+        for rank in range(final.size if final else 0):
+            collected[rank] = store.try_get(result_key(rank))
+
+    outcome = run_elastic(request, command, extra_env=extra_env, output_dir=output_dir, kill_grace=kill_grace,
+                          ssh=ssh, network_interfaces=interfaces, before_start=put_function,
+                          before_close=take_results)
+    if outcome.failure is None and outcome.error is not None:
+        failures = outcome.failures
+        last = failures[-1] if failures else None
+        raise WorkerFailedError(f"hora.run: {outcome.message()}", last.rank if last else -1,
+                                last.host if last else "", last.returncode if last else 1)
+    final = outcome.rounds[-1] if outcome.rounds else None
+    hostnames = {rank: host for rank, host in (final.members if final else ())}
+    return _collect(outcome, collected, hostnames)
+
+
+def _same(name: str, value: int | None, alias: str, alias_value: int | None) -> int | None:
+    """Horovod's two spellings of one parameter (``min_num_proc``/``min_np``): either, or both equal."""
+    if value is not None and alias_value is not None and value != alias_value:
+        raise ConfigError(f"hora.run: give {name} or {alias}, not both: {name}={value} and {alias}={alias_value}")
+    return value if value is not None else alias_value
+
+
 def _resolve_num_proc(num_proc: int | None, np: int | None) -> int:
     """``num_proc`` (Horovod's name) or ``np`` (its older one, and hora's); 1 when neither is given."""
     if num_proc is not None and np is not None and num_proc != np:
@@ -139,10 +206,6 @@ def _refuse_unsupported(**options: Any) -> None:
     """ConfigError naming the first option that asks for something hora does not have yet."""
     if options["use_gloo"] and options["use_mpi"]:
         raise ConfigError("hora.run: use_gloo and use_mpi cannot both be set")
-    for name in ("min_num_proc", "min_np", "max_num_proc", "max_np", "slots", "reset_limit",
-                 "cooldown_range"):
-        if options[name] is not None:
-            raise UnsupportedOption(f"hora.run: {name}: {ELASTIC_NOT_BUILT}")
     if options["use_mpi"]:
         raise UnsupportedOption(f"hora.run: use_mpi: {NO_MPI_CONTROLLER}")
     if options["mpi_args"] is not None:

@@ -2,7 +2,8 @@
 
 The launcher put ``cloudpickle.dumps((func, args, kwargs))`` into the job's rendezvous store. Each
 worker fetches it over an authenticated connection (so unpickling it runs nothing a stranger sent),
-calls it, and stores its outcome under ``result/<rank>``:
+calls it, and stores its outcome under ``result/<rank>`` (the rank of the last world it joined, which
+in an elastic job may differ from the one it started with):
 
 - ``("ok", value)`` when the call returned;
 - ``("error", exception_pickle_or_None, repr_text, traceback_text)`` when it raised. The exception is
@@ -78,6 +79,14 @@ def _call(client: RendezvousClient, rank: int, timeout: float) -> tuple[bool, by
         return False, encode_error(error, traceback.format_exc())
 
 
+def _final_rank(launch_rank: int) -> int:
+    """The rank this worker's result belongs to: its rank in the last world it joined (elastic jobs
+    re-rank survivors), or the launcher's rank when the function never joined one."""
+    basics = sys.modules.get("hora.basics")
+    last = getattr(getattr(basics, "_ctx", None), "last_rank", None)
+    return launch_rank if last is None else int(last)
+
+
 def main() -> int:
     """Run the job's function once on this rank; 0 when it returned, 1 when it raised."""
     identity = from_environment()
@@ -85,7 +94,7 @@ def main() -> int:
     with RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, identity.secret,
                           connect_timeout=timeout) as client:
         succeeded, outcome = _call(client, identity.rank, timeout)
-        client.set(result_key(identity.rank), outcome)
+        client.set(result_key(_final_rank(identity.rank)), outcome)
     return 0 if succeeded else 1
 
 
