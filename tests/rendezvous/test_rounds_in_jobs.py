@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import hora
-from hora.errors import HoraError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,16 +72,16 @@ def driver_shrinks_the_world():
     hora.shutdown()
     try:
         hora.init()
-    except HoraError as exc:
-        errors.append(str(exc))
+    except SystemExit as exc:  # an elastic worker left out of the new world leaves quietly
+        errors.append(f"SystemExit({exc.code})")
     store.close()
     return errors
 
 
-def test_a_driver_opened_round_reforms_the_world_and_refuses_the_worker_left_out_world_size_2():
+def test_a_driver_opened_round_reforms_the_world_and_the_worker_left_out_exits_with_status_0_world_size_2():
     rank0, rank1 = hora.run(driver_shrinks_the_world, np=2, start_timeout=60,
                             env={"HORA_ELASTIC": "1"})
     assert rank0 == (1, 1, 0, 5.0)
     stale, no_slot = rank1
     assert "round 0" in stale and "round 1 is current" in stale
-    assert "no slot" in no_slot and "slot 1" in no_slot
+    assert no_slot == "SystemExit(0)"
