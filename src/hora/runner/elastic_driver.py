@@ -229,7 +229,10 @@ class ElasticDriver:
                 continue
             self._refresh_hosts()
             target = plan_world(self.registry.usable(), self._plan, self.settings.max_np)
-            needed = self.settings.np if self._round is None else self.settings.min_np
+            # At the start, wait for -np slots when more hosts may appear; a fixed host list will
+            # never offer more than it does now.
+            waiting_for_np = self._round is None and not self.discovery.static
+            needed = self.settings.np if waiting_for_np else self.settings.min_np
             if self._round is None and plan_size(target) < needed and \
                     time.monotonic() - started_waiting > self.settings.elastic_timeout and \
                     plan_size(target) >= self.settings.min_np:
