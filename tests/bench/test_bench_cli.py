@@ -193,3 +193,18 @@ def test_torch_vs_ddp_benchmark_trains_with_every_contender() -> None:
     assert set(report["runs"]) == {"hora", "ddp", "single"}, report["runs"].keys()
     for name, runs in report["runs"].items():
         assert len(runs) == 1 and runs[0]["img_sec_total"] > 0, (name, runs)
+
+
+@pytest.mark.timeout(150)
+def test_elastic_recovery_benchmark_measures_a_kill_and_the_resumed_step() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "elastic_recovery.py"), "--mb", "0.1", "--steps", "5",
+         "--kill-at", "2", "--json", "--timeout", "120"],
+        capture_output=True, text=True, timeout=140, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (row,) = json.loads(proc.stdout)
+    assert row["mb"] == 0.1
+    # Each phase follows the one before it, on the survivors' clock against the killed worker's.
+    assert 0 < row["detect"] and 0 < row["reform"] and 0 < row["resume"], row
+    assert row["total"] == pytest.approx(row["detect"] + row["reform"] + row["resume"], rel=1e-6), row
