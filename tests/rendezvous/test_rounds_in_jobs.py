@@ -85,3 +85,39 @@ def test_a_driver_opened_round_reforms_the_world_and_the_worker_left_out_exits_w
     stale, no_slot = rank1
     assert "round 0" in stale and "round 1 is current" in stale
     assert no_slot == "SystemExit(0)"
+
+
+def superseded_while_forming():
+    """Elastic mode: both ranks re-initialise into a round planned for 3 that can never form; a
+    driver (a thread of rank 0 here) supersedes it with a round of 2, which both then form."""
+    import threading
+    import time
+
+    from hora import basics
+
+    hora.init()
+    store, me = _store()
+    hora.allreduce(np.ones(1), name="before")
+    if me.rank == 0:
+        def driver() -> None:
+            store.open_round(3, hosts=[(me.hostname, 3)], supersede=True)
+            time.sleep(2.0)  # both ranks are now waiting for a third rank that does not exist
+            store.open_round(2, hosts=[(me.hostname, 2)], supersede=True)
+
+        threading.Thread(target=driver, daemon=True).start()
+    hora.shutdown()
+    started = time.monotonic()
+    hora.init()
+    waited = time.monotonic() - started
+    result = (basics._ctx.runtime.round.generation, hora.size(),
+              float(hora.allreduce(np.array([1.0]), op=hora.Sum, name="after")[0]), waited)
+    hora.shutdown()
+    store.close()
+    return result
+
+
+def test_a_round_superseded_before_it_formed_sends_its_waiting_workers_to_the_next_one_world_size_2():
+    results = hora.run(superseded_while_forming, np=2, start_timeout=60, env={"HORA_ELASTIC": "1"})
+    for generation, size, total, waited in results:
+        assert (generation, size, total) == (2, 2, 2.0)
+        assert waited < 30, waited  # not the 60 s start time-out of the dead round

@@ -161,7 +161,8 @@ class RendezvousServer:
         if op == "round_open":
             expect = header.get("expect_current")
             opened = store.open_round(int(header["size"]), [tuple(h) for h in header.get("hosts", ())],
-                                      None if expect is None else int(expect))
+                                      None if expect is None else int(expect),
+                                      supersede=bool(header.get("supersede", False)))
             return {"ok": True, "round": opened.to_json()}, b""
         if op == "round_get":
             generation = header.get("generation")
