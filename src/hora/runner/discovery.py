@@ -102,23 +102,38 @@ class ScriptDiscovery:
         self.script = script
         self.slots_per_host = slots_per_host
         self.timeout = timeout
+        self._running: subprocess.Popen | None = None
+        self._closed = False
 
     def find(self) -> HostSlots:
+        if self._closed:
+            raise DiscoveryError("discovery was closed: the job is over")
         try:
             proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             raise DiscoveryError(f"cannot run {self.script!r}: {exc}") from None
+        self._running = proc
         try:
             out, err = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
             proc.communicate()
             raise DiscoveryError(f"{self.script!r} did not finish within {self.timeout:g} s; killed it") from None
+        finally:
+            self._running = None
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no error output"]
             raise DiscoveryError(f"{self.script!r} exited with status {proc.returncode}: {tail[0][:200]}")
         return parse_discovery_output(out.decode(errors="replace"), self.slots_per_host)
+
+
+    def close(self) -> None:
+        """Stop polling: kill a script still running (its whole process group)."""
+        self._closed = True
+        running = self._running
+        if running is not None and running.poll() is None:
+            _kill_group(running.pid)
 
 
 def _kill_group(pgid: int) -> None:

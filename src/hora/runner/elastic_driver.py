@@ -34,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from hora import config
@@ -156,6 +156,7 @@ class ElasticDriver:
         self._discovery_event = threading.Event()
         self._stop = threading.Event()
         self._last_discovery_error: str | None = None
+        self._failure_numbers: dict[int, int] = {}  # id(WorkerExit) -> the worker's number
 
     # ---- discovery -------------------------------------------------------------------------------
 
@@ -197,6 +198,9 @@ class ElasticDriver:
                 self._supervise()
             finally:
                 self._stop.set()
+                close = getattr(self.discovery, "close", None)
+                if callable(close):
+                    close()  # a discovery script still running must not outlive the job
                 self._stop_everyone()
                 if not self.job.router.join(_OUTPUT_DRAIN_SECONDS):
                     logger.warning("some worker output pipes were still open after %.0f s",
@@ -405,6 +409,7 @@ class ElasticDriver:
                 continue
             failure = WorkerExit(worker.rank, worker.host, returncode, detail)
             self.outcome.failures.append(failure)
+            self._failure_numbers[id(failure)] = worker.number
             worker.retired = "failed"
             if self._finishing:
                 self.outcome.failure = failure
@@ -453,15 +458,14 @@ class ElasticDriver:
         from hora.runner.launch import _explained
 
         router = self.job.router
-        by_rank_host = {(w.rank, w.host): w.number for w in self._workers.values()}
 
         def explained(failure: WorkerExit) -> WorkerExit:
-            number = by_rank_host.get((failure.rank, failure.host))
+            number = self._failure_numbers.get(id(failure))
             if number is None:
                 return failure
-            relabelled = WorkerExit(number, failure.host, failure.returncode, failure.detail)
-            found = _explained(relabelled, router)
-            return WorkerExit(failure.rank, failure.host, failure.returncode, failure.detail, found.reason)
+            # The router knows the worker by its number; the failure names its rank at the time.
+            found = _explained(replace(failure, rank=number), router)
+            return replace(failure, reason=found.reason)
 
         self.outcome.failures = [explained(f) for f in self.outcome.failures]
         if self.outcome.failure is not None:

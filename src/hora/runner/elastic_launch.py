@@ -48,33 +48,38 @@ class ElasticRequest:
               discovery_script: str | None = None, discovery_function: DiscoveryFunction | None = None,
               slots_per_host: int | None = None, elastic_timeout: float | None = None,
               reset_limit: int | None = None, cooldown_range: Sequence[float] | None = None,
-              where: str = "hora run") -> "ElasticRequest":
+              where: str = "") -> "ElasticRequest":
+        """``where`` starts every error message (``hora.run``); the command line adds its own."""
+        prefix = f"{where}: " if where else ""
         if np is None and min_np is None:
-            raise ConfigError(f"{where}: an elastic job needs -np or --min-np")
+            raise ConfigError(f"{prefix}an elastic job needs -np or --min-np")
         if min_np is not None and max_np is not None and min_np > max_np:
-            raise ConfigError(f"{where}: --min-np {min_np} is greater than --max-np {max_np}")
+            raise ConfigError(f"{prefix}--min-np {min_np} is greater than --max-np {max_np}")
         start = np if np is not None else min_np
         assert start is not None
         low = min_np if min_np is not None else start
         if cooldown_range is not None:
             if len(cooldown_range) != 2 or cooldown_range[0] > cooldown_range[1] or cooldown_range[0] < 0:
-                raise ConfigError(f"{where}: the blacklist cooldown range needs 0 <= MIN <= MAX, "
+                raise ConfigError(f"{prefix}the blacklist cooldown range needs 0 <= MIN <= MAX, "
                                   f"got {list(cooldown_range)}")
         sources = sum(x is not None for x in (discovery_script, discovery_function, hosts))
         if sources > 1:
-            raise ConfigError(f"{where}: give one source of hosts: a discovery script or function, "
+            raise ConfigError(f"{prefix}give one source of hosts: a discovery script or function, "
                               "or a host list")
         discovery: HostDiscovery
         if discovery_script is not None:
             discovery = ScriptDiscovery(discovery_script, slots_per_host, DISCOVERY_TIMEOUT_SECONDS)
         elif discovery_function is not None:
             if not callable(discovery_function):
-                raise ConfigError(f"{where}: discovery must be a script path or a function")
+                raise ConfigError(f"{prefix}discovery must be a script path or a function")
             discovery = FunctionDiscovery(discovery_function, slots_per_host)
         else:
             if slots_per_host is not None:
-                raise ConfigError(f"{where}: --slots-per-host only applies to hosts found by a discovery script")
-            discovery = FixedHosts(hosts if hosts is not None else default_hosts(max(start, max_np or 0)))
+                raise ConfigError(f"{prefix}--slots-per-host only applies to hosts found by a discovery script")
+            discovery = FixedHosts(hosts if hosts is not None else default_hosts(max(start, low, max_np or 0)))
+            offered = sum(discovery.find().values())
+            if offered < low:
+                raise ConfigError(f"{prefix}the hosts offer {offered} slot(s), fewer than --min-np {low}")
         settings = ElasticSettings(
             min_np=low, max_np=max_np, np=start,
             elastic_timeout=DEFAULT_ELASTIC_TIMEOUT if elastic_timeout is None else float(elastic_timeout),
