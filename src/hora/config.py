@@ -143,6 +143,12 @@ KNOBS: tuple[Knob, ...] = (
          "driver opens, instead of opening the next round with the same ranks."),
     Knob("elastic_reset_limit", None, _parse_nonneg_int,
          "Most resets one hora.elastic.run call may make before it stops (unset: no limit).", horovod_alias=False),
+    Knob("elastic_removal_grace", 3.0, _parse_nonneg_float,
+         "Seconds a host must be missing from discovery before the elastic driver shrinks the world "
+         "(a flaky answer costs no reset).", horovod_alias=False),
+    Knob("elastic_discovery_timeout", 10.0, _parse_pos_float,
+         "Seconds a host discovery script may run before it is killed and the poll counts as failed.",
+         horovod_alias=False),
 )
 
 _BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}

@@ -68,6 +68,7 @@ class ElasticSettings:
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] | None = None
     discovery_interval: float = 1.0
+    removal_grace: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_np < 1:
@@ -137,7 +138,7 @@ class ElasticDriver:
         self.job = job
         self.discovery = discovery
         self.settings = settings
-        self.registry = HostRegistry(settings.cooldown_range)
+        self.registry = HostRegistry(settings.cooldown_range, removal_grace=settings.removal_grace)
         self.outcome = ElasticOutcome(size=0)
         self._handle_signals = handle_signals
         self._workers: dict[int, _Worker] = {}

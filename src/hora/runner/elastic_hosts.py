@@ -5,6 +5,7 @@ worker that fails. Without a cooldown range a blacklisted host is out for the re
 ``--blacklist-cooldown-range LO HI``, the host's n-th failure keeps it out for ``LO * 2**(n-1)``
 seconds, at most ``HI``, plus up to one second of jitter so hosts that failed together do not come
 back together. A flaky host thus waits longer each time, and a host that recovered is used again.
+A host missing from discovery answers counts as removed only after ``removal_grace`` seconds.
 
 :func:`plan_world` turns the usable hosts into the next round's plan. Hosts of the current world
 come first, in their current order, then new hosts in discovery order, and the total is capped at
@@ -40,7 +41,8 @@ class HostRegistry:
 
     def __init__(self, cooldown_range: Sequence[float] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 jitter: Callable[[], float] = random.random) -> None:
+                 jitter: Callable[[], float] = random.random,
+                 removal_grace: float = 0.0) -> None:
         if cooldown_range is not None:
             low, high = (float(v) for v in cooldown_range)
             if low < 0 or high < low:
@@ -51,9 +53,29 @@ class HostRegistry:
         self._jitter = jitter
         self._discovered: HostSlots = {}
         self._blacklist: dict[str, _Blacklisting] = {}
+        self._removal_grace = float(removal_grace)
+        self._missing_since: dict[str, tuple[float, int]] = {}  # host -> (first missed, last slots)
 
     def update(self, discovered: HostSlots) -> None:
-        self._discovered = dict(discovered)
+        """Take a discovery answer. A host that vanishes from it stays for ``removal_grace`` seconds
+        (with its last slots) before it counts as gone, so one flaky answer, or a host that drops out
+        of a cloud listing for a moment, does not cost two resets."""
+        now = self._clock()
+        previous = self._discovered
+        merged = dict(discovered)
+        for host, slots in previous.items():
+            if host in discovered:
+                self._missing_since.pop(host, None)
+                continue
+            since, _ = self._missing_since.setdefault(host, (now, slots))
+            if now - since < self._removal_grace:
+                merged[host] = self._missing_since[host][1]
+            else:
+                self._missing_since.pop(host, None)
+        for host in list(self._missing_since):
+            if host in discovered:
+                del self._missing_since[host]
+        self._discovered = merged
 
     @property
     def discovered(self) -> HostSlots:

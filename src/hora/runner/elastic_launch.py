@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, TextIO
 
+from hora import config
 from hora.errors import ConfigError
 from hora.rendezvous import KeyValueStore
 from hora.runner.discovery import (
@@ -32,8 +33,9 @@ from hora.runner.ssh import SshOptions
 logger = logging.getLogger(__name__)
 
 DEFAULT_ELASTIC_TIMEOUT = 600.0
-# A discovery command that takes longer than this is killed and counts as one failed poll.
-DISCOVERY_TIMEOUT_SECONDS = 10.0
+# A discovery command running longer than this (HORA_ELASTIC_DISCOVERY_TIMEOUT) is killed and counts
+# as one failed poll.
+DISCOVERY_TIMEOUT_SECONDS = float(config.knob("elastic_discovery_timeout").default)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class ElasticRequest:
                               "or a host list")
         discovery: HostDiscovery
         if discovery_script is not None:
-            discovery = ScriptDiscovery(discovery_script, slots_per_host, DISCOVERY_TIMEOUT_SECONDS)
+            discovery = ScriptDiscovery(discovery_script, slots_per_host,
+                                        float(config.get("elastic_discovery_timeout")))
         elif discovery_function is not None:
             if not callable(discovery_function):
                 raise ConfigError(f"{prefix}discovery must be a script path or a function")
@@ -84,6 +87,7 @@ class ElasticRequest:
             min_np=low, max_np=max_np, np=start,
             elastic_timeout=DEFAULT_ELASTIC_TIMEOUT if elastic_timeout is None else float(elastic_timeout),
             reset_limit=reset_limit,
+            removal_grace=float(config.get("elastic_removal_grace")),
             cooldown_range=None if cooldown_range is None else (float(cooldown_range[0]), float(cooldown_range[1])),
         )
         return cls(settings, discovery)
