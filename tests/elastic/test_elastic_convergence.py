@@ -1,0 +1,341 @@
+"""Elastic training converges like a fixed-size run: the issue's bar, checked on real processes.
+
+"With ElasticSampler, a 2->3->2-worker run on the digits data reaches the fixed-size run's test
+accuracy within 1 point, and every sample is seen exactly once per epoch."
+
+The test starts ``hora run --min-np 2 --max-np 3 --host-discovery-script 'cat HOSTS'`` on this
+file's worker (a small MLP on scikit-learn's digits, trained under ``hvd.elastic.run`` with a
+``TorchState`` and an ``ElasticSampler``) and changes the world by rewriting HOSTS: ``localhost:2``,
+then ``localhost:2`` + ``127.0.0.1:1`` (a second "host" on this machine), then ``localhost:2`` again.
+Both changes land in the middle of the same epoch, so that epoch is re-sharded twice.
+
+So that the test never races the training, the worker holds at two fixed steps (given by
+``--hold-at``): it logs a line and keeps committing, doing no training, until a commit raises the
+host-update interrupt. The test waits for that line, then rewrites HOSTS. Every commit logs the
+sample indices this worker trained on since its previous commit (a ``TorchState`` whose ``save``
+writes them out), so the test can tell which samples each epoch trained on, across the resets.
+The same worker under a plain ``hora run -np 2`` is the fixed-size run it is compared with.
+
+Run as a script (``python test_elastic_convergence.py ...``), this file is that worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+THIS = os.path.abspath(__file__)
+
+EPOCHS = 5
+BATCH = 32  # per worker
+LR = 0.1  # per worker; scaled by the world size
+SEED = 42
+# (epoch, steps done in it): the two points where the worker waits for the world to change.
+HOLDS = "1:5,1:12"
+COMMIT_EVERY = 3
+WAIT_S = 120.0  # for any one thing the test waits for
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# ---- the worker ------------------------------------------------------------------------------------
+
+def _worker(argv: list[str]) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import hora.torch as hvd
+    from hora import basics
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--hold-at", default="")
+    args = parser.parse_args(argv)
+    holds = [tuple(int(v) for v in point.split(":")) for point in args.hold_at.split(",") if point]
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from pytorch_mnist import digits_datasets
+
+    hvd.init()
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)
+    train_set, test_set = digits_datasets()
+    images, labels = train_set.tensors[0].flatten(1), train_set.tensors[1]
+    test_images, test_labels = test_set.tensors[0].flatten(1), test_set.tensors[1]
+
+    def log(event: str, **fields: Any) -> None:
+        fields.update(event=event, pid=os.getpid(), rank=hvd.rank(), size=hvd.size(),
+                      generation=basics._ctx.runtime.round.generation)
+        print("LOG " + json.dumps(fields), flush=True)
+
+    class LoggedState(hvd.elastic.TorchState):
+        """A TorchState that writes out, at every save (a commit), the samples trained on since the last."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.pending: dict[int, list[int]] = {}
+            super().__init__(*args, **kwargs)
+
+        def save(self) -> None:
+            super().save()
+            for epoch, indices in sorted(self.pending.items()):
+                log("commit", epoch=epoch, indices=indices)
+            self.pending = {}
+
+        def restore(self) -> None:
+            super().restore()
+            self.pending = {}  # trained on after the last commit: rolled back, to be done again
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR * hvd.size(), momentum=0.5),
+                                         named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(range(len(labels)), shuffle=True, seed=SEED)
+    state = LoggedState(model, optimizer, train_sampler=sampler, epoch=0, batch=0, holds=0)
+
+    def on_reset() -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = LR * hvd.size()
+        # Re-shard what is left of the epoch over the new world. A reset that skips the state sync
+        # (hosts were only removed) does not do it yet: see the xfail test below.
+        sampler.reset()
+
+    state.register_reset_callbacks([on_reset])
+
+    def hold() -> None:
+        """Commit (and train on nothing) until a commit raises the host-update interrupt."""
+        state.holds += 1
+        log("hold", number=state.holds, epoch=state.epoch, batch=state.batch)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            state.commit()
+        raise RuntimeError(f"hold {state.holds}: the world did not change within {WAIT_S:g} s")
+
+    @hvd.elastic.run
+    def train(state: LoggedState) -> None:
+        log("world", epoch=state.epoch, batch=state.batch, shard=len(sampler))
+        while state.epoch < args.epochs:
+            # The same number of steps on every worker; a worker whose shard is one sample shorter
+            # may get a short (even empty) last batch, and still joins the gradient allreduce.
+            steps = -(-sampler.total_size // (BATCH * hvd.size()))
+            for step in range(steps):
+                if state.holds < len(holds) and holds[state.holds] == (state.epoch, state.batch):
+                    hold()
+                indices = sampler.get_indices(step, BATCH)
+                batch = torch.tensor(indices, dtype=torch.long)
+                optimizer.zero_grad()
+                output = model(images[batch])
+                loss = F.cross_entropy(output, labels[batch], reduction="sum") / BATCH
+                loss.backward()
+                optimizer.step()
+                state.pending.setdefault(state.epoch, []).extend(indices)
+                sampler.record_batch(step, BATCH)
+                state.batch += 1
+                if state.batch % COMMIT_EVERY == 0:
+                    state.commit()
+            state.epoch += 1
+            state.batch = 0
+            sampler.set_epoch(state.epoch)
+            state.commit()
+
+    train(state)
+    with torch.no_grad():
+        accuracy = (model(test_images).argmax(1) == test_labels).double().mean().item()
+    log("done", accuracy=100.0 * accuracy)
+    hvd.shutdown()
+
+
+# ---- driving it ------------------------------------------------------------------------------------
+
+class Job:
+    """``hora run`` in a subprocess, its output read line by line as it comes."""
+
+    def __init__(self, launcher_args: list[str], worker_args: list[str]) -> None:
+        from job_env import clean_env  # tests/ is on sys.path under pytest (not in the worker)
+
+        env = clean_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hora", "run", *launcher_args, sys.executable, THIS, *worker_args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.events: list[dict[str, Any]] = []
+        self._news: queue.Queue[None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if "LOG {" in line:
+                self.events.append(json.loads(line.split("LOG ", 1)[1]))
+            self._news.put(None)
+        self._news.put(None)
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-150:])
+
+    def wait_for(self, what: str, found: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The first event ``found`` accepts, waiting for it up to WAIT_S."""
+        deadline = time.monotonic() + WAIT_S
+        seen = 0
+        while True:
+            while seen < len(self.events):  # the reader thread only appends
+                if found(self.events[seen]):
+                    return self.events[seen]
+                seen += 1
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                pytest.fail(f"hora run exited ({self.proc.returncode}) before {what}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {WAIT_S:g} s:\n{self.output()}")
+            try:
+                self._news.get(timeout=0.2)
+            except queue.Empty:
+                pass
+
+    def finish(self) -> float:
+        """Wait for the job to end; returns its wall time. It must end with status 0."""
+        try:
+            self.proc.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"hora run did not end within {WAIT_S:g} s:\n{self.output()}")
+        self._reader.join(timeout=10)
+        assert self.proc.returncode == 0, f"hora run exited {self.proc.returncode}:\n{self.output()}"
+        return time.monotonic() - self.started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the launcher stops its workers
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _write(path: str, text: str) -> None:
+    """Replace the file in one step, so the discovery script never reads half of it."""
+    with open(path + ".new", "w") as f:
+        f.write(text)
+    os.replace(path + ".new", path)
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The 2 -> 3 -> 2 worker run; its events and how long it took."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    hosts = str(tmp_path_factory.mktemp("elastic") / "hosts")
+    _write(hosts, "localhost:2\n")
+    job = Job(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+               "--elastic-timeout", str(int(WAIT_S))], ["--hold-at", HOLDS])
+    try:
+        job.wait_for("the first hold", lambda e: e["event"] == "hold" and e["number"] == 1)
+        _write(hosts, "localhost:2\n127.0.0.1:1\n")
+        job.wait_for("a world of 3", lambda e: e["event"] == "world" and e["size"] == 3)
+        job.wait_for("the second hold", lambda e: e["event"] == "hold" and e["number"] == 2)
+        _write(hosts, "localhost:2\n")
+        seconds = job.finish()
+    finally:
+        job.stop()
+    return {"events": job.events, "seconds": seconds, "output": job.output()}
+
+
+@pytest.fixture(scope="module")
+def fixed_run() -> dict[str, Any]:
+    """The same worker on 2 workers throughout (a plain, not elastic, job)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    job = Job(["-np", "2"], [])
+    try:
+        seconds = job.finish()
+    finally:
+        job.stop()
+    return {"events": job.events, "seconds": seconds, "output": job.output()}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "src/hora/torch/elastic.py: TorchState does not re-shard its ElasticSampler after a reset that skips "
+    "the sync (hosts only removed), so the re-entered loop starts the old shard again from batch 0. Once "
+    "fixed, remove this mark and the sampler.reset() reset callbacks in the worker above and in "
+    "examples/elastic/pytorch_mnist_elastic.py"))
+def test_a_reset_that_skips_the_sync_still_reshards_the_sampler(uninitialised: None) -> None:
+    pytest.importorskip("torch")
+    import hora.torch as hvd
+
+    hvd.init()
+    try:
+        sampler = hvd.elastic.ElasticSampler(range(10), shuffle=False)
+        state = hvd.elastic.TorchState(train_sampler=sampler, epoch=0)
+        sampler.record_batch(0, 4)
+        state.commit()
+        # What hvd.elastic.run does after a HostsUpdatedInterrupt(skip_sync=True): reset the world,
+        # on_reset(), then call the training function again without state.sync().
+        hvd.shutdown()
+        hvd.init()
+        state.on_reset()
+        assert list(sampler) == list(range(4, 10))
+    finally:
+        hvd.shutdown()
+
+
+def _accuracy(run: dict[str, Any]) -> float:
+    done = [e for e in run["events"] if e["event"] == "done"]
+    assert done, run["output"]
+    assert len({e["accuracy"] for e in done}) == 1, done  # every worker holds the same model
+    return done[0]["accuracy"]
+
+
+def test_the_world_went_from_2_to_3_to_2_workers_in_the_same_processes(elastic_run: dict[str, Any]) -> None:
+    worlds = [e for e in elastic_run["events"] if e["event"] == "world"]
+    sizes = {}
+    for e in worlds:
+        sizes.setdefault(e["generation"], set()).add((e["size"], e["pid"]))
+    assert [len(members) for _, members in sorted(sizes.items())] == [2, 3, 2], worlds
+    assert [next(iter(members))[0] for _, members in sorted(sizes.items())] == [2, 3, 2], worlds
+    first, grown, shrunk = (set(pid for _, pid in sizes[g]) for g in sorted(sizes))
+    # The two first workers trained on through both changes; the third came and went.
+    assert first < grown and shrunk == first, worlds
+    # Both changes came mid-epoch, at the holds.
+    assert [(e["epoch"], e["batch"]) for e in worlds if e["generation"] > 0 and e["rank"] == 0] == [(1, 5), (1, 12)]
+
+
+def test_every_sample_is_trained_on_exactly_once_per_epoch_across_the_resets(elastic_run: dict[str, Any]) -> None:
+    from sklearn.datasets import load_digits
+
+    n_train = int(0.8 * len(load_digits().target))
+    commits = [e for e in elastic_run["events"] if e["event"] == "commit"]
+    for epoch in range(EPOCHS):
+        trained = sorted(i for e in commits if e["epoch"] == epoch for i in e["indices"])
+        assert trained == list(range(n_train)), (
+            f"epoch {epoch}: {n_train - len(set(trained))} sample(s) never trained on, "
+            f"{len(trained) - len(set(trained))} trained on more than once")
+    # Epoch 1 was trained on by worlds of 2, then 3, then 2 workers.
+    sizes = []
+    for e in commits:
+        if e["epoch"] == 1 and e["indices"] and (not sizes or sizes[-1] != e["size"]):
+            sizes.append(e["size"])
+    assert sizes == [2, 3, 2], sizes
+
+
+def test_the_elastic_run_reaches_the_fixed_size_runs_accuracy_within_1_point(
+        elastic_run: dict[str, Any], fixed_run: dict[str, Any]) -> None:
+    elastic, fixed = _accuracy(elastic_run), _accuracy(fixed_run)
+    print(f"test accuracy: elastic 2->3->2 {elastic:.2f}% in {elastic_run['seconds']:.0f} s, "
+          f"fixed 2 workers {fixed:.2f}% in {fixed_run['seconds']:.0f} s")
+    assert fixed > 90.0, fixed_run["output"]  # it learned: 10 digits, chance is 10%
+    assert abs(elastic - fixed) <= 1.0, (elastic, fixed)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
