@@ -147,9 +147,6 @@ def main(argv=None) -> float:
         # The global batch is size() times the per-worker batch, and size() just changed.
         for param_group in optimizer.param_groups:
             param_group["lr"] = args.lr * hvd.size()
-        # Re-shard the rest of the epoch over the new world. TorchState does it when it syncs the
-        # state, but a reset after hosts were only removed skips that sync (docs/elastic.md).
-        train_sampler.reset()
         if hvd.rank() == 0:
             print(f"World re-formed: {hvd.size()} worker(s), learning rate {args.lr * hvd.size():g}", flush=True)
 

@@ -149,9 +149,7 @@ class _DistributedOptimizer:
             variables = list(self._trainable_variables)
         else:
             variables = list(trainable_variables)
-            if not self.built:  # as Keras does, but before any branch: variables cannot be made in one
-                with keras.name_scope(self.name, caller=self):
-                    self.build(variables)
+            build_now(self, variables)  # as Keras does, but before any branch: variables cannot be made in one
 
         def update(values: list) -> None:
             reduced = self._hora.reduce(values, variables)
@@ -162,6 +160,32 @@ class _DistributedOptimizer:
         else:
             self._hora.aggregation.step(self, grads, variables, update)
         return None
+
+
+def build_now(optimizer: Any, variables: Sequence[Any]) -> None:
+    """Build a Keras 3 optimizer that is not built yet for ``variables``, as Keras itself does on the
+    first step (the same variables, in the same name scope, so saved optimizers keep their names).
+
+    Keras creates an optimizer's slots lazily; code that must see them before the first step (a
+    broadcast from the root, an elastic state's first commit) builds it here. Nothing happens when it
+    is built already or there is nothing to build for.
+    """
+    if not optimizer.built and variables:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(list(variables))
+
+
+def aggregation_variables(optimizer: Any) -> list:
+    """The variables hora's wrapper keeps beside ``optimizer.variables``: the local gradient sums and
+    their counter of ``backward_passes_per_step`` > 1 (empty for other optimizers, or before building).
+
+    They are training state like the optimizer's slots (a restored commit must not keep sums of steps
+    it rolled back), but live outside the optimizer so that saved optimizers load without hora.
+    """
+    aggregation = getattr(getattr(optimizer, "_hora", None), "aggregation", None)
+    if aggregation is None or aggregation.counter is None:
+        return []
+    return [aggregation.counter, *aggregation.sums]
 
 
 def is_distributed(optimizer: Any) -> bool:

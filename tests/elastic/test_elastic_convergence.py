@@ -104,9 +104,6 @@ def _worker(argv: list[str]) -> None:
     def on_reset() -> None:
         for group in optimizer.param_groups:
             group["lr"] = LR * hvd.size()
-        # Re-shard what is left of the epoch over the new world. A reset that skips the state sync
-        # (hosts were only removed) does not do it yet: see the xfail test below.
-        sampler.reset()
 
     state.register_reset_callbacks([on_reset])
 
@@ -264,11 +261,6 @@ def fixed_run() -> dict[str, Any]:
     return {"events": job.events, "seconds": seconds, "output": job.output()}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/hora/torch/elastic.py: TorchState does not re-shard its ElasticSampler after a reset that skips "
-    "the sync (hosts only removed), so the re-entered loop starts the old shard again from batch 0. Once "
-    "fixed, remove this mark and the sampler.reset() reset callbacks in the worker above and in "
-    "examples/elastic/pytorch_mnist_elastic.py"))
 def test_a_reset_that_skips_the_sync_still_reshards_the_sampler(uninitialised: None) -> None:
     pytest.importorskip("torch")
     import hora.torch as hvd

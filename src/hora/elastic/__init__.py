@@ -5,10 +5,8 @@
 (:class:`~hora.errors.HostsUpdatedInterrupt`), it re-forms the world in the same process (``shutdown()``
 then ``init()``, which joins the next rendezvous round), syncs the state and calls ``func`` again.
 
-What is not built yet: the launcher's elastic driver (host discovery, starting workers on new hosts,
-opening rounds with a new plan, blacklisting). Without it, a re-formed world has the same size as the
-previous one, and host changes are announced only by whoever writes the store key
-(:mod:`hora.elastic.notification`).
+The launcher's side, which discovers hosts, opens each new round with its plan, starts workers on new
+hosts and announces host changes, is :mod:`hora.runner.elastic_driver` (``hora run --min-np ...``).
 """
 
 from hora.elastic.loop import ResetLimitError, run, run_fn

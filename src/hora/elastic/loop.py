@@ -15,9 +15,9 @@ returns:
 The sync runs inside the same guard as ``func``, so a peer lost during the sync causes one more
 reset instead of ending the job. ``HORA_ELASTIC_RESET_LIMIT`` bounds the resets of one call.
 
-Without the elastic driver (not written yet), the next round has the previous round's size (the first
-worker to re-initialise opens it); with ``HORA_ELASTIC=1``, ``init()`` waits up to
-``HORA_START_TIMEOUT`` for a driver to open it and then fails with a message saying so.
+In a job started by the elastic driver (``HORA_ELASTIC=1``), ``init()`` waits for the round the
+driver opens; a worker that round leaves out exits with status 0. Elsewhere, the first worker to
+re-initialise opens the next round with the previous round's plan.
 """
 
 from __future__ import annotations

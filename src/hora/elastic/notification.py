@@ -1,6 +1,6 @@
 """How a change of hosts is announced to running workers: one key in the job's rendezvous store.
 
-The elastic driver (not written yet: today nothing in hora writes this key except tests) announces
+The elastic driver (:mod:`hora.runner.elastic_driver`) announces
 that hosts were added or removed by writing :data:`HOSTS_UPDATED_KEY` with a JSON object
 ``{"id": <int>, "skip_sync": <bool>}``. ``id`` increases with every announcement, so a worker tells a
 new announcement from one it has already acted on by comparing ids, without the driver having to
@@ -75,5 +75,5 @@ def read_hosts_update(store: _Store) -> HostsUpdate | None:
 
 
 def announce_hosts_update(store: _Store, update: HostsUpdate) -> None:
-    """Write an announcement (what the elastic driver will call; tests call it today)."""
+    """Write an announcement (the elastic driver's call)."""
     store.set(HOSTS_UPDATED_KEY, update.encode())

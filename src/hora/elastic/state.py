@@ -85,7 +85,7 @@ class State:
         before the driver wrote it cannot keep training while the others re-form. ``skip_sync`` is
         the newest announcement's (if ranks read it with different flags, the sync is kept).
 
-        Until the elastic driver exists, only a test (or a user) writing the key announces anything.
+        The elastic driver writes the announcement before it opens the round with the new hosts.
         """
         runtime = basics._ctx.runtime
         if runtime is None:

@@ -19,7 +19,7 @@ from hora.collectives import allgather_object, broadcast_object
 from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
 from hora.common_api import __all__ as _common
 from hora.compression import Compression
-from hora.keras import callbacks
+from hora.keras import callbacks, elastic
 from hora.keras.optimizer import DistributedOptimizer, load_model
 
 
@@ -61,6 +61,6 @@ def broadcast_global_variables(root_rank: int) -> None:
 
 
 __all__ = list(_common) + [
-    "Compression", "DistributedOptimizer", "load_model", "callbacks", "allreduce", "allgather", "broadcast",
-    "reducescatter", "broadcast_global_variables", "broadcast_object", "allgather_object",
+    "Compression", "DistributedOptimizer", "load_model", "callbacks", "elastic", "allreduce", "allgather",
+    "broadcast", "reducescatter", "broadcast_global_variables", "broadcast_object", "allgather_object",
 ]

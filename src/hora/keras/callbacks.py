@@ -15,6 +15,7 @@ import numpy as np
 
 from hora import basics, batched, collectives
 from hora.basics import Average
+from hora.keras_wrapper import build_now
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,9 @@ def broadcast_model_state(model: keras.Model, root_rank: int, local_variables: S
     optimizer = getattr(model, "optimizer", None)
     variables = list(model.weights)
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        if not optimizer.built and model.trainable_variables:
-            # Keras builds it lazily on the first step; building now (the same variables, in the
-            # same name scope) lets the first step already start from the root's state.
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(model.trainable_variables)
+        # Keras builds it lazily on the first step; building now lets the first step already start
+        # from the root's state.
+        build_now(optimizer, model.trainable_variables)
         variables += list(optimizer.variables)
     if local_variables:
         local = {id(v) for v in local_variables}

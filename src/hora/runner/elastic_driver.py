@@ -92,6 +92,7 @@ class _Worker:
     process: LocalWorker | RemoteWorker
     rank: int  # its rank in the round it was last assigned to
     retired: str | None = None  # why it no longer belongs to the world (None: it does)
+    in_world: bool = False  # a round it belongs to has formed: it holds the training state
     returncode: int | None = None
     detail: str | None = None
 
@@ -307,8 +308,10 @@ class ElasticDriver:
                           f"time(s), the --reset-limit")
                 return
             self.outcome.resets += 1
-            live = {(w.host, w.slot) for w in self._live()}
-            added = any((s.hostname, s.local_rank) not in live for s in plan_slots(target))
+            # The state sync may be skipped only if every worker of the new world already holds
+            # the state: none is new, and none was started for a round that never formed.
+            holding = {(w.host, w.slot) for w in self._live() if w.in_world}
+            added = any((s.hostname, s.local_rank) not in holding for s in plan_slots(target))
             self._announce(skip_sync=not added and not self._failed_since_round)
         store = self.job.store
         opened = store.open_round(plan_size(target), target, supersede=True)
@@ -378,6 +381,8 @@ class ElasticDriver:
             for worker in self._workers.values():
                 if worker.alive and worker.retired is not None:
                     worker.process.terminate()
+                elif worker.alive:
+                    worker.in_world = True
         elif time.monotonic() - self._round_opened > self.settings.elastic_timeout:
             joined = {rank for rank, _ in (now.members if now else ())}
             missing = [w.describe() for w in self._live() if w.rank not in joined]

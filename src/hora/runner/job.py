@@ -67,6 +67,7 @@ class Job:
         # An elastic job may use every host it was given (its driver decides the layout later), so
         # all of them count for where the store listens; a fixed job only the ones its ranks fill.
         used = list(hosts) if all_hosts else hosts_used(list(hosts), np)
+        self._all_hosts = all_hosts
         self.slots = assign_slots(list(hosts), np)
         self.np = np
         self.remote_hosts = [host.name for host in used if not is_local_host(host.name)]
@@ -96,6 +97,13 @@ class Job:
             assert self._ssh is not None
             check_reachable(self.remote_hosts, self._ssh)
             bind = launcher_address(self.remote_hosts, self._interfaces)
+        elif self._all_hosts and self._interfaces:
+            # An elastic job on this machine only, for now: with --network-interfaces, listen where
+            # hosts found later can reach the store.
+            try:
+                bind = resolve_listen_address(self._interfaces)
+            except LookupError as exc:
+                raise LaunchError(f"--network-interfaces on this machine: {exc}") from None
         secret = new_secret()  # fresh per job: a worker of another job cannot join this one
         self.local_only = bind == LOCAL_BIND_ADDRESS
         self._server = RendezvousServer(secret, host=bind, port=0).start()

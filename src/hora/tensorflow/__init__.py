@@ -45,3 +45,5 @@ __all__ = list(_common) + [
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join", "local_rank_op",
     "local_size_op", "process_set_included_op", "rank_op", "reducescatter", "size_op",
 ]
+
+from hora.tensorflow import elastic  # noqa: E402,F401 - hvd.elastic.run, as after `import horovod.tensorflow as hvd`

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from hora import basics, batched, horovod_args
@@ -37,6 +38,8 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
     sparse_at = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     if not dense_at and not sparse_at:
         return grads
+    if sparse_at:
+        reduction.sparse_scale()  # refuses ops other than Sum and Average before any collective starts
     with tf.device(device_dense):
         packed = {i: compression.compress(to_tensor(grads[i], "gradient")) for i in dense_at}
     inputs = [packed[i][0] for i in dense_at]
@@ -59,8 +62,14 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
             sparse[i] = (arrays[base], arrays[base + 1])
         results = batched.start(dense, names, reduction, groups, sparse).wait()
         out = [results[i] for i in dense_at]
+        # The sparse scale depends on the world's size: read it each time the op runs, not when a
+        # tf.function is traced, since a compiled step outlives an elastic reset to another size.
+        scale = reduction.sparse_scale() if sparse_at else 1.0
         for i in sparse_at:
-            out += list(results[i])
+            values, indices = results[i]
+            if scale != 1.0:
+                values = values * np.asarray(scale, dtype=values.dtype)
+            out += [values, indices]
         return out
 
     outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients")
@@ -69,12 +78,9 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
         for k, i in enumerate(dense_at):
             result[i] = compression.decompress(outputs[k], packed[i][1])
     if sparse_at:
-        scale = reduction.sparse_scale()
         with tf.device(device_sparse):
             for k, i in enumerate(sparse_at):
                 values, indices = outputs[len(dense_at) + 2 * k: len(dense_at) + 2 * k + 2]
-                if scale != 1.0:
-                    values = values * tf.cast(scale, values.dtype)
                 result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)
     return result
 

@@ -1,13 +1,10 @@
 """Elastic training for PyTorch: ``run``, ``TorchState`` and ``ElasticSampler`` (horovod.torch.elastic's names).
 
-What works today: the worker side. ``run`` re-forms the world through the next rendezvous round in
-the same process (``hora.shutdown()`` then ``hora.init()``), ``TorchState`` commits, restores and
-syncs a model, its optimizer, LR schedulers, an ``ElasticSampler`` and any picklable attribute, and
-``ElasticSampler`` resumes an epoch where the committed state left it. What does not exist yet: the
-launcher's elastic driver (host discovery, starting workers on new hosts, opening rounds of a new
-size, blacklisting). Until it does, a world re-formed by ``run`` has the size of the one before it
-(or, with ``HORA_ELASTIC=1``, waits for a driver to open the next round), so the re-sharding to
-another world size is exercised by loading a sampler state into a job of that size.
+``run`` re-forms the world through the next rendezvous round in the same process
+(``hora.shutdown()`` then ``hora.init()``; the elastic driver of ``hora run --min-np ...`` opens that
+round with the new hosts), ``TorchState`` commits, restores and syncs a model, its optimizer, LR
+schedulers, an ``ElasticSampler`` and any picklable attribute, and ``ElasticSampler`` resumes an epoch
+where the committed state left it, re-sharded over the new world.
 """
 
 from __future__ import annotations
@@ -227,3 +224,11 @@ class TorchState(ObjectState):
         for handler in self._handlers:
             handler.sync()
         super().sync()
+
+    def reset(self) -> None:
+        """Re-shard every sampler over the re-formed world. ``sync`` does it too, but a reset after
+        hosts were only removed skips the sync, and a sampler left on its old shard would train some
+        samples twice and skip others. Safe without a sync: every rank recorded the same batches."""
+        for handler in self._handlers:
+            if isinstance(handler.value, ElasticSampler):
+                handler.value.reset()

@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from hora.keras import *  # noqa: F401,F403
 from hora.keras import __all__  # noqa: F401
-from hora.tensorflow.keras import callbacks  # noqa: F401 - hvd.callbacks, as in Horovod
+from hora.tensorflow.keras import callbacks, elastic  # noqa: F401 - hvd.callbacks, hvd.elastic, as in Horovod
