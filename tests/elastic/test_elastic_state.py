@@ -3,6 +3,7 @@ needed; a fake reset where only the loop's logic is under test)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -163,6 +164,35 @@ def test_an_announcement_made_before_the_world_formed_is_taken_as_reflected_in_i
     state.commit()
     state.on_reset()  # a re-formed world also takes what the store holds as reflected
     state.commit()
+
+
+def _as_if_opened_by_a_driver(announcement: int) -> None:
+    """Make this private world's round one the elastic driver opened, reflecting ``announcement``."""
+    runtime = basics._ctx.runtime
+    runtime.joined = dataclasses.replace(
+        runtime.joined, round=dataclasses.replace(runtime.joined.round, announcement=announcement))
+
+
+def test_an_announcement_made_after_a_driver_formed_the_world_interrupts_even_the_first_commit(uninitialised):
+    hora.init()
+    _as_if_opened_by_a_driver(-1)  # the driver formed this world before any announcement
+    announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(0))  # a host was added at once
+    state = hora.elastic.ObjectState(epoch=0)
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
+    state.commit()  # acted on: not raised again
+
+
+def test_a_driver_formed_world_takes_the_announcement_its_round_names_as_reflected(uninitialised):
+    hora.init()
+    announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(3))
+    _as_if_opened_by_a_driver(3)
+    state = hora.elastic.ObjectState(epoch=0)
+    state.commit()
+    announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(4))
+    state.on_reset()  # re-formed into a round that reflects 3 only: 4 is still to act on
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
 
 
 def test_a_malformed_announcement_is_logged_and_ignored(uninitialised, caplog):

@@ -92,7 +92,9 @@ class State:
             raise ValueError("hora has not been initialized; call hora.init() first")
         update = read_hosts_update(runtime.store)
         newest = -1 if update is None else update.id
-        reflected = newest if self._hosts_update_seen is None else self._hosts_update_seen
+        reflected = self._hosts_update_seen
+        if reflected is None:  # first check in this world: what did the world form with?
+            reflected = runtime.round.announcement if runtime.round.announcement is not None else newest
         # One number orders announcements by id, then "needs a sync" above "may skip it": the max is
         # the newest announcement any rank read, with the skip flag of that announcement.
         needs_sync = 0 if update is not None and update.skip_sync else 1
@@ -113,7 +115,9 @@ class State:
         """Called once the world is re-formed: note the host announcements the new world already
         reflects, run :meth:`reset`, then the registered callbacks in order."""
         runtime = basics._ctx.runtime
-        if runtime is not None:
+        if runtime is not None and runtime.round.announcement is not None:
+            self._hosts_update_seen = runtime.round.announcement  # the driver says what it reflects
+        elif runtime is not None:
             update = read_hosts_update(runtime.store)
             self._hosts_update_seen = None if update is None else update.id
         else:

@@ -149,10 +149,12 @@ class RendezvousClient:
     # ---- rounds (see hora.rendezvous.rounds) ------------------------------------------------------
 
     def open_round(self, size: int, hosts: Iterable[tuple[str, int]] = (),
-                   expect_current: int | None = None, supersede: bool = False) -> Round:
+                   expect_current: int | None = None, supersede: bool = False,
+                   announcement: int | None = None) -> Round:
         """Open the next round; see :meth:`KeyValueStore.open_round`."""
         header = {"op": "round_open", "size": int(size), "hosts": [[str(h), int(s)] for h, s in hosts],
-                  "expect_current": expect_current, "supersede": bool(supersede)}
+                  "expect_current": expect_current, "supersede": bool(supersede),
+                  "announcement": announcement}
         return Round.from_json(self._call(header)[0]["round"])
 
     def get_round(self, generation: int | None = None) -> Round | None:

@@ -52,13 +52,16 @@ class Round:
 
     ``hosts`` is the plan, ``(hostname, slots)`` in rank order, or empty when the round takes the ranks
     the launcher gave its workers (round 0 of a job started by ``hora run``). ``members`` is the
-    membership so far: ``(rank, hostname)`` of every worker that joined, by rank.
+    membership so far: ``(rank, hostname)`` of every worker that joined, by rank. ``announcement`` is
+    the id of the newest host-update announcement the round's world reflects (set by the elastic
+    driver, -1 for none yet); None when the round was not opened by a driver.
     """
 
     generation: int
     size: int
     hosts: tuple[tuple[str, int], ...] = ()
     members: tuple[tuple[int, str], ...] = field(default=())
+    announcement: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -87,13 +90,16 @@ class Round:
 
     def to_json(self) -> dict:
         return {"generation": self.generation, "size": self.size,
-                "hosts": [list(h) for h in self.hosts], "members": [list(m) for m in self.members]}
+                "hosts": [list(h) for h in self.hosts], "members": [list(m) for m in self.members],
+                "announcement": self.announcement}
 
     @classmethod
     def from_json(cls, data: dict) -> "Round":
+        announcement = data.get("announcement")
         return cls(int(data["generation"]), int(data["size"]),
                    tuple((str(h), int(s)) for h, s in data.get("hosts", ())),
-                   tuple((int(r), str(h)) for r, h in data.get("members", ())))
+                   tuple((int(r), str(h)) for r, h in data.get("members", ())),
+                   None if announcement is None else int(announcement))
 
     def encode(self) -> bytes:
         return json.dumps(self.to_json()).encode()

@@ -162,7 +162,8 @@ class RendezvousServer:
             expect = header.get("expect_current")
             opened = store.open_round(int(header["size"]), [tuple(h) for h in header.get("hosts", ())],
                                       None if expect is None else int(expect),
-                                      supersede=bool(header.get("supersede", False)))
+                                      supersede=bool(header.get("supersede", False)),
+                                      announcement=header.get("announcement"))
             return {"ok": True, "round": opened.to_json()}, b""
         if op == "round_get":
             generation = header.get("generation")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Iterable
 
 from hora.errors import RendezvousError
@@ -142,14 +143,16 @@ class KeyValueStore:
             return self._current
 
     def open_round(self, size: int, hosts: Iterable[tuple[str, int]] = (),
-                   expect_current: int | None = None, supersede: bool = False) -> Round:
+                   expect_current: int | None = None, supersede: bool = False,
+                   announcement: int | None = None) -> Round:
         """Open the next round (generation current + 1) with ``size`` ranks and an optional host plan.
 
         With ``expect_current``, open only if the current generation is that one; when a newer round
         is already open (another worker or the driver got there first) return it instead, so every
         worker that re-forms the same world ends up in the same round. ``supersede`` (the elastic
         driver's) abandons every incomplete older round: waits on its keys raise
-        :class:`StaleRoundError` at once, and its joiners move on to the new round.
+        :class:`StaleRoundError` at once, and its joiners move on to the new round. ``announcement``
+        is the newest host-update announcement the new round's world reflects (see :class:`Round`).
         """
         plan = tuple((str(h), int(s)) for h, s in hosts)
         check_plan(int(size), plan)
@@ -161,7 +164,8 @@ class KeyValueStore:
                                       f"round is {self._current}")
             if supersede:
                 self._abandoned.update(g for g, r in self._rounds.items() if not r.complete)
-            opened = Round(self._current + 1, int(size), plan)
+            opened = Round(self._current + 1, int(size), plan,
+                           announcement=None if announcement is None else int(announcement))
             self._current = opened.generation
             self._rounds[opened.generation] = opened
             self._changed.notify_all()
@@ -204,7 +208,7 @@ class KeyValueStore:
                 raise RendezvousError(f"rank {rank} already joined round {generation} from "
                                       f"{members[rank]!r}; {hostname!r} cannot take it too")
             members[rank] = str(hostname)
-            joined = Round(generation, opened.size, opened.hosts, tuple(sorted(members.items())))
+            joined = replace(opened, members=tuple(sorted(members.items())))
             self._rounds[generation] = joined
             if joined.complete:
                 self._sealed = max(self._sealed, generation)

@@ -314,7 +314,11 @@ class ElasticDriver:
             added = any((s.hostname, s.local_rank) not in holding for s in plan_slots(target))
             self._announce(skip_sync=not added and not self._failed_since_round)
         store = self.job.store
-        opened = store.open_round(plan_size(target), target, supersede=True)
+        # The round records the announcement it reflects, so its workers react to every later one,
+        # including one made before their first commit.
+        last = read_hosts_update(store)
+        opened = store.open_round(plan_size(target), target, supersede=True,
+                                  announcement=-1 if last is None else last.id)
         self._round, self._plan, self._round_opened = opened, target, time.monotonic()
         self._failed_since_round = False
         self.outcome.rounds.append(opened)
