@@ -270,8 +270,9 @@ class ElasticDriver:
 
     def _end(self, error: str) -> None:
         if self.outcome.error is None:
+            # Said once, by whoever reports the outcome (hora run's last line, hora.run's exception).
             self.outcome.error = error
-            logger.error("%s", error)
+            logger.debug("%s", error)
 
     def _discovery_error_suffix(self) -> str:
         return f" (last discovery error: {self._last_discovery_error})" if self._last_discovery_error else ""
@@ -282,15 +283,16 @@ class ElasticDriver:
         now = time.monotonic()
         have = plan_size(target)
         timeout = self.settings.elastic_timeout
-        if self._short_since is None:
-            self._short_since = now
-            logger.warning("only %d usable slot(s) (%s), %d needed; waiting up to %g s for more hosts",
-                           have, describe_plan(target), needed, timeout)
         blacklisted = [h for h in self.registry.discovered if self.registry.is_blacklisted(h)]
         if self.discovery.static and not self.registry.cooling_down() and self._round is not None:
             self._end(f"elastic job stops: only {have} slot(s) are left ({describe_plan(target)}), fewer "
                       f"than --min-np {self.settings.min_np}, and the hosts are fixed "
                       f"(blacklisted for good: {', '.join(blacklisted) or 'none'})")
+            return
+        if self._short_since is None:
+            self._short_since = now
+            logger.warning("only %d usable slot(s) (%s), %d needed; waiting up to %g s for more hosts",
+                           have, describe_plan(target), needed, timeout)
         elif now - self._short_since > timeout:
             self._end(f"elastic job stops: fewer than {needed} usable slot(s) for {timeout:g} s "
                       f"(--elastic-timeout; usable: {describe_plan(target)}; blacklisted: "
