@@ -117,15 +117,19 @@ def test_a_hung_script_is_killed_with_its_whole_process_group_after_the_timeout(
     assert not any(pid_alive(pid) for pid in hung), "the hung script or its child survived"
 
 
-def test_a_script_that_closes_its_output_but_leaves_a_child_running_is_not_waited_for_without_end(
+def test_a_script_that_exits_leaving_a_child_running_gives_its_answer_and_the_child_is_stopped(
         tmp_path: Path) -> None:
-    script = _script(tmp_path, "echo node-a:2\nsleep 120 &\n")
+    pid_file = tmp_path / "child"
+    # The child inherits the script's output; the answer must not wait for it to close.
+    script = _script(tmp_path, f"echo node-a:2\nsleep 120 &\necho $! > {pid_file}\n")
     started = time.monotonic()
-    try:
-        ScriptDiscovery(script, timeout=0.5).find()
-    except DiscoveryError:
-        pass
-    assert time.monotonic() - started < 10
+    assert ScriptDiscovery(script, timeout=5).find() == {"node-a": 2}
+    assert time.monotonic() - started < 4
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(child), "the script's background child was left running"
 
 
 def test_the_launcher_times_discovery_out_after_a_bounded_time(no_hora_env, monkeypatch: pytest.MonkeyPatch) -> None:

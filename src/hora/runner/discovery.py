@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 from typing import Callable, Iterable, Mapping, Protocol, Union
 
 from hora.errors import ConfigError, HoraError
@@ -108,20 +109,28 @@ class ScriptDiscovery:
     def find(self) -> HostSlots:
         if self._closed:
             raise DiscoveryError("discovery was closed: the job is over")
-        try:
-            proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            raise DiscoveryError(f"cannot run {self.script!r}: {exc}") from None
-        self._running = proc
-        try:
-            out, err = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.communicate()
-            raise DiscoveryError(f"{self.script!r} did not finish within {self.timeout:g} s; killed it") from None
-        finally:
-            self._running = None
+        # Output goes to files, not pipes: the answer is complete when the script exits, even if it
+        # left a child holding its output open (which is then stopped with the rest of its group).
+        with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+            try:
+                proc = subprocess.Popen(self.script, shell=True, stdout=out_file, stderr=err_file,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as exc:
+                raise DiscoveryError(f"cannot run {self.script!r}: {exc}") from None
+            self._running = proc
+            try:
+                proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+                proc.wait()
+                raise DiscoveryError(f"{self.script!r} did not finish within {self.timeout:g} s; "
+                                     "killed it") from None
+            finally:
+                self._running = None
+            _kill_group(proc.pid)  # whatever it left running in the background
+            out_file.seek(0)
+            err_file.seek(0)
+            out, err = out_file.read(), err_file.read()
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no error output"]
             raise DiscoveryError(f"{self.script!r} exited with status {proc.returncode}: {tail[0][:200]}")
