@@ -124,6 +124,10 @@ KNOBS: tuple[Knob, ...] = (
          horovod_alias=False),
     Knob("socket_buffer_bytes", 4 * MiB, _parse_nonneg_int,
          "SO_SNDBUF/SO_RCVBUF for peer sockets (0 keeps the OS default).", horovod_alias=False),
+    Knob("host_id", None, _parse_str,
+         "Host identity this rank publishes when the world forms: ranks with equal values share a host "
+         "(local ranks, shared memory). Default: the kernel's boot id and network namespace; hora.ray "
+         "sets the Ray node id, since Ray may run several nodes on one machine.", horovod_alias=False),
     # Engine (read by later layers; listed here so every knob lives in one table).
     Knob("fusion_threshold", 128 * MiB, _parse_nonneg_int, "Tensor fusion buffer size in bytes; 0 disables fusion."),
     Knob("cycle_time", 1.0, _parse_nonneg_float, "Engine cycle time in milliseconds."),

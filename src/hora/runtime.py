@@ -209,7 +209,7 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
                 joined = Joined(store.join_round(current.generation, my_rank, hostname), private=me is None,
                                 job="" if me is None else me.job_id)
                 world, topology = world_formation.form_world(members.index(my_rank), members, store,
-                                                             scope, secret)
+                                                             scope, secret, config.get("host_id"))
                 break
             except StaleRoundError:
                 # The elastic driver replaced this round before its world formed (another worker

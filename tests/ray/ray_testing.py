@@ -1,0 +1,75 @@
+"""Real Ray for the tests: one local instance, or a multi-node test cluster, per test module.
+
+Ray's test cluster (``ray.cluster_utils.Cluster``) runs every node as its own raylet on this
+machine, all on one address, which is what makes node ids, not addresses, the thing hora.ray must
+group ranks by. Both helpers start Ray without this process's hora variables (the raylet hands its
+environment to every worker) and without the dashboard (start-up time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import pytest
+
+from job_env import is_hora_variable
+
+
+@contextlib.contextmanager
+def _no_hora_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for key in list(os.environ):
+            if is_hora_variable(key):
+                patch.delenv(key)
+        yield
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[Any]:
+    """``ray.init`` on this machine with ``num_cpus`` logical CPUs; shut down afterwards."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    with _no_hora_env():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_test_cluster(nodes: list[dict[str, Any]], system_config: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A Ray test cluster whose head has ``nodes[0]``'s resources and each further node its entry's
+    (``num_cpus``, ``num_gpus``...); this process is its driver. Yields the Cluster."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    head = {"include_dashboard": False, **nodes[0]}
+    if system_config:
+        head["_system_config"] = system_config
+    with _no_hora_env():
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        try:
+            for node in nodes[1:]:
+                cluster.add_node(**node)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+        except BaseException:
+            cluster.shutdown()
+            raise
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def alive_node_ids() -> set[str]:
+    import ray
+
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
