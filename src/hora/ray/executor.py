@@ -108,7 +108,7 @@ class RayExecutor:
                 raise ConfigError(f"RayExecutor.create_settings: {name} must be a positive number of "
                                   f"seconds, got {value!r}")
         if ssh_identity_file is not None or ssh_str is not None:
-            logger.info("hora.ray: ssh_identity_file/ssh_str are not used: Ray starts every worker, no SSH")
+            logger.warning("hora.ray: ssh_identity_file/ssh_str are not used: Ray starts every worker, no SSH")
         if isinstance(nics, str):
             nics = nics.split(",")
         nic_set = {str(name).strip() for name in nics or () if str(name).strip()} or None
