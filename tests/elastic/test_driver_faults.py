@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from elastic_job import SCRIPTS, ElasticJob, hora_run, parse_logs  # noqa: E402
+from elastic_job import SCRIPTS, ElasticJob, assert_rank_0_on_localhost_blacklisted, hora_run, parse_logs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,12 +83,7 @@ def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: P
     assert failed_commits == ALL_PAIRS[:BATCHES], context
 
     # The launcher names the failed rank, its host and the cause, and blacklists the host.
-    cause = "exited with status 1" if fault == "raise" else r"was killed by signal SIGKILL \(9\)"
-    launcher = [line for line in done.stderr.splitlines() if line.startswith("hora run:")]
-    pattern = rf"rank 0 on localhost \(worker 0, pid {failed_pid}\) {cause}; blacklisting localhost"
-    assert any(re.search(pattern, line) for line in launcher), context
-    if fault == "raise":
-        assert "RuntimeError: injected failure" in done.stderr, context
+    assert_rank_0_on_localhost_blacklisted(done.stderr, fault, failed_pid, context)
 
 
 def test_with_a_blacklist_cooldown_the_failed_host_comes_back_and_the_world_grows_again(tmp_path: Path) -> None:
