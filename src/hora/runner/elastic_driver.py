@@ -144,6 +144,7 @@ class ElasticDriver:
         self._handle_signals = handle_signals
         self._workers: dict[int, _Worker] = {}
         self._exits: queue.Queue[tuple[int, int, str | None]] = queue.Queue()
+        self._exited = threading.Event()  # set with every exit put on _exits
         self._plan: Plan = ()
         self._round: Round | None = None
         self._round_opened = 0.0
@@ -235,14 +236,11 @@ class ElasticDriver:
                 continue
             self._refresh_hosts()
             target = plan_world(self.registry.usable(), self._plan, self.settings.max_np)
-            # At the start, wait for -np slots when more hosts may appear; a fixed host list will
-            # never offer more than it does now.
-            waiting_for_np = self._round is None and not self.discovery.static
+            # At the start, wait up to --elastic-timeout for -np slots when more hosts may appear,
+            # then start with what there is; a fixed host list never offers more than it does now.
+            waiting_for_np = (self._round is None and not self.discovery.static
+                              and time.monotonic() - started_waiting <= self.settings.elastic_timeout)
             needed = self.settings.np if waiting_for_np else self.settings.min_np
-            if self._round is None and plan_size(target) < needed and \
-                    time.monotonic() - started_waiting > self.settings.elastic_timeout and \
-                    plan_size(target) >= self.settings.min_np:
-                needed = self.settings.min_np  # waited long enough for -np: start with what there is
             if target != self._plan or self._round is None:
                 if plan_size(target) < needed:
                     self._wait_for_slots(target, needed)
@@ -262,11 +260,9 @@ class ElasticDriver:
         return True
 
     def _wait_for_exit(self) -> None:
-        try:
-            item = self._exits.get(timeout=_POLL_SECONDS * 2)
-        except queue.Empty:
-            return
-        self._exits.put(item)  # handled in order by _handle_exits
+        """Sleep until a worker exits (handled, in order, by the next _handle_exits) or a poll passes."""
+        if self._exited.wait(_POLL_SECONDS * 2):
+            self._exited.clear()
 
     def _end(self, error: str) -> None:
         if self.outcome.error is None:
@@ -371,6 +367,7 @@ class ElasticDriver:
     def _wait_for(self, worker: _Worker) -> None:
         returncode, detail = worker.process.wait()
         self._exits.put((worker.number, returncode, detail))
+        self._exited.set()
 
     def _watch_round(self) -> None:
         current = self._round
