@@ -86,7 +86,8 @@ def main(argv=None) -> float:
         else:
             # A local instance with a CPU per worker at least, so more workers than cores still start.
             workers = ray_args.num_workers or ray_args.num_hosts * ray_args.num_workers_per_host
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(workers * ray_args.cpus_per_worker)))
+            ray.init(address="local",
+                     num_cpus=max(os.cpu_count() or 1, math.ceil(workers * ray_args.cpus_per_worker)))
 
     settings = RayExecutor.create_settings(timeout_s=ray_args.timeout_s)
     executor = RayExecutor(settings, num_workers=ray_args.num_workers, num_hosts=ray_args.num_hosts,

@@ -33,7 +33,8 @@ def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[Any]:
     if ray.is_initialized():
         ray.shutdown()
     with _no_hora_env():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+        # address="local": a Ray of its own, never a cluster some other process started here.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
     try:
         yield ray
     finally:

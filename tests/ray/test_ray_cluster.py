@@ -92,3 +92,16 @@ def test_more_hosts_than_nodes_fail_within_the_placement_timeout(cluster):
     message = str(info.value)
     assert "3 bundle(s) of CPU 1 each (STRICT_SPREAD)" in message, message
     assert "STRICT_SPREAD needs 3 different nodes and 2 are alive" in message, message
+
+
+def test_elastic_discovery_counts_slots_by_cpus_and_gpus(cluster):
+    """Two nodes of 2 CPUs and 2 (declared) GPUs: 2 workers per node at 1 CPU + 1 GPU, 1 at 1 CPU +
+    2 GPUs, 4 at 0.5 CPU without GPUs; each node named by address and node id."""
+    from hora.ray.elastic import RayHostDiscovery
+    from hora.ray.placement import WorkerResources
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    for resources, per_node in ((WorkerResources(1, 1), 2), (WorkerResources(1, 2), 1), (WorkerResources(0.5, 0), 4)):
+        found = RayHostDiscovery(resources).find()
+        assert sorted(found.values()) == [per_node, per_node], (resources, found)
+        assert sorted(label.rsplit("-", 1)[1] for label in found) == sorted(n[:8] for n in nodes)

@@ -280,14 +280,51 @@ def test_bad_sizes_are_refused_before_anything_starts(kwargs, message):
         RayExecutor(RayExecutor.create_settings(), **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"min_workers": 1}, {"max_workers": 4}, {"min_workers": 1, "max_workers": 4},
-                                    {"num_workers": 2, "reset_limit": 3}, {"num_workers": 2, "elastic_timeout": 60}])
-def test_elastic_arguments_are_refused_as_not_built_yet(kwargs):
-    with pytest.raises(ConfigError, match="not built yet") as info:
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_workers": 2, "reset_limit": 3}, "reset_limit=3 applies only to elastic jobs"),
+    ({"num_workers": 2, "elastic_timeout": 60}, "elastic_timeout=60 applies only to elastic jobs"),
+    ({"num_workers": 2, "cooldown_range": (1, 2)}, "cooldown_range=.* applies only to elastic jobs"),
+    ({"num_workers": 2, "override_discovery": False}, "override_discovery=False applies only to elastic jobs"),
+    ({"min_workers": 3, "max_workers": 2}, r"minimum number of workers \(3\) is greater than the maximum \(2\)"),
+    ({"min_workers": 2, "max_workers": 4, "num_workers": 5}, r"num_workers=5 is outside \[2, 4\]"),
+    ({"min_workers": 0}, "minimum number of workers must be a positive integer"),
+    ({"min_workers": 1, "num_hosts": 2}, "num_hosts=2 sizes a fixed-size job"),
+    ({"min_workers": 1, "cooldown_range": (5, 1)}, "cooldown_range needs two numbers 0 <= MIN <= MAX"),
+    ({"min_workers": 1, "elastic_timeout": 0}, "elastic_timeout must be a positive number"),
+    ({"min_workers": 1, "override_discovery": False}, "override_discovery=False needs settings.discovery"),
+])
+def test_elastic_arguments_are_checked_in_one_line(kwargs, message):
+    with pytest.raises(ConfigError, match=message) as info:
         RayExecutor(RayExecutor.create_settings(), **kwargs)
     assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="not built yet"):
-        ElasticRayExecutor(RayExecutor.create_settings(), min_workers=1)
+
+
+def test_elastic_executor_settings_are_checked():
+    with pytest.raises(ConfigError, match="give min_num_proc or min_np, not both"):
+        ElasticRayExecutor.create_settings(min_num_proc=1, min_np=2)
+    with pytest.raises(ConfigError, match=r"minimum number of workers \(4\) is greater than the maximum \(2\)"):
+        ElasticRayExecutor.create_settings(min_np=4, max_np=2)
+    with pytest.raises(ConfigError, match="unknown argument"):
+        ElasticRayExecutor.create_settings(min_np=1, bogus=3)
+    settings = ElasticRayExecutor.create_settings(min_np=2, max_np=3, reset_limit=4, elastic_timeout=9)
+    assert (settings.min_np, settings.max_np, settings.reset_limit, settings.elastic_timeout) == (2, 3, 4, 9)
+    with pytest.raises(ConfigError, match="gpus_per_slot=1 needs use_gpu=True"):
+        ElasticRayExecutor(settings, gpus_per_slot=1)
+    with pytest.raises(ConfigError, match="give cpus_per_slot or cpus_per_worker, not both"):
+        ElasticRayExecutor(settings, cpus_per_slot=1, cpus_per_worker=2)
+    with pytest.raises(HoraError, match=r"ElasticRayExecutor.run: the executor is not started"):
+        ElasticRayExecutor(settings).run(lambda: 1)
+
+
+def test_an_elastic_executor_refuses_the_fixed_size_calls():
+    ex = RayExecutor(RayExecutor.create_settings(), min_workers=1, max_workers=2)
+    assert ex.elastic
+    for call in (lambda: ex.execute(lambda w: 1), lambda: ex.run_remote(lambda: 1),
+                 lambda: ex.execute_single(lambda w: 1)):
+        with pytest.raises(HoraError, match="not available on an elastic executor"):
+            call()
+    with pytest.raises(ConfigError, match="executable_cls applies to fixed-size jobs"):
+        ex.start(executable_cls=dict)
 
 
 def test_settings_keep_horovods_fields():

@@ -28,34 +28,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import sys
 import time
 import uuid
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import cloudpickle
 import ray
 import ray.exceptions
 
 from hora import config
 from hora.errors import ConfigError, HoraError, HorovodInternalError, LaunchError
 from hora.ray import ray_logger
+from hora.ray.elastic import DEFAULT_COOLDOWN_RANGE, ElasticRayOptions
+from hora.ray.elastic_executor import ElasticJobRunner, check_bounds, check_cooldown
+from hora.ray.failures import first_line, lost_reason, remote_exception, strip_colours
 from hora.ray.placement import Placement, WorkerResources, reserve
 from hora.ray.worker import Call, RayWorker
 from hora.rendezvous import RendezvousServer, new_secret
 from hora.runner.hosts import Host, SlotInfo, assign_slots
-from hora.runner.run_args import UnsupportedOption
 from hora.runner.worker_env import JobContext, worker_environment
 
 logger = logging.getLogger(__name__)
 
-NOT_BUILT = "elastic Ray jobs (ElasticRayExecutor, min_workers/max_workers) are not built yet"
 # How often the driver looks at logged values while a call with callbacks runs, and otherwise how
 # long one wait for results lasts before the time-outs are checked again.
 CALLBACK_POLL_S = 0.1
 RESULT_POLL_S = 1.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the process line of its formatted tracebacks
 
 
 @dataclasses.dataclass
@@ -90,8 +88,10 @@ class RayExecutor:
     so ``torch.cuda.set_device(hvd.local_rank())`` picks the worker's own. Inside a placement group
     (a Ray Tune trial) the workers use that group unless ``use_current_placement_group=False``.
 
-    ``min_workers``, ``max_workers``, ``reset_limit``, ``cooldown_range``, ``elastic_timeout`` and
-    ``override_discovery`` configure elastic jobs, which are not built yet: they are refused.
+    ``min_workers`` and/or ``max_workers`` make the executor elastic (see
+    :mod:`hora.ray.elastic_executor`): ``num_workers`` is then how many to start with, and
+    ``reset_limit``, ``cooldown_range``, ``elastic_timeout`` and ``override_discovery`` apply (they
+    are refused on a fixed-size executor).
     """
 
     @classmethod
@@ -132,19 +132,25 @@ class RayExecutor:
         elastic_timeout: int = 600,
         override_discovery: bool = True,
     ) -> None:
-        _refuse_elastic(min_workers=min_workers, max_workers=max_workers, reset_limit=reset_limit,
-                        cooldown_range=cooldown_range, elastic_timeout=elastic_timeout,
-                        override_discovery=override_discovery)
         self.settings = settings if settings is not None else self.create_settings()  # None: the defaults
         self._timeout_s = float(getattr(self.settings, "timeout_s", 30))
         self._pg_timeout_s = float(getattr(self.settings, "placement_group_timeout_s", 100))
         nics = getattr(self.settings, "nics", None)
         self._nics = sorted(nics) if nics else None
+        self._elastic: ElasticJobRunner | None = None
+        if min_workers is not None or max_workers is not None:
+            self._elastic = self._elastic_job(num_workers, num_hosts, min_workers, max_workers, cpus_per_worker,
+                                              use_gpu, gpus_per_worker, reset_limit, cooldown_range,
+                                              elastic_timeout, override_discovery)
+        else:
+            _only_elastic(reset_limit=reset_limit, cooldown_range=cooldown_range, elastic_timeout=elastic_timeout,
+                          override_discovery=override_discovery)
         if num_workers is not None and num_hosts is not None:
             raise ConfigError(f"RayExecutor: give num_workers, or num_hosts with num_workers_per_host, not both "
                               f"(got num_workers={num_workers} and num_hosts={num_hosts})")
-        if num_workers is None and num_hosts is None:
-            raise ConfigError("RayExecutor: give num_workers, or num_hosts with num_workers_per_host")
+        if num_workers is None and num_hosts is None and self._elastic is None:
+            raise ConfigError("RayExecutor: give num_workers, or num_hosts with num_workers_per_host (or "
+                              "min_workers/max_workers for an elastic job)")
         if num_workers is not None and num_workers_per_host != 1:
             raise ConfigError(f"RayExecutor: num_workers_per_host={num_workers_per_host} applies only with "
                               "num_hosts; with num_workers, Ray packs the workers onto as few nodes as it can")
@@ -158,7 +164,8 @@ class RayExecutor:
             _positive_number("gpus_per_worker", 1 if gpus_per_worker is None else gpus_per_worker)
         self.num_hosts = num_hosts
         self.num_workers_per_host = num_workers_per_host
-        self.num_workers = num_workers if num_workers is not None else num_hosts * num_workers_per_host
+        self.num_workers = (num_workers if num_workers is not None
+                            else num_hosts * num_workers_per_host if num_hosts is not None else 0)
         self.cpus_per_worker = cpus_per_worker
         self.use_gpu = bool(use_gpu)
         self.gpus_per_worker = (1 if gpus_per_worker is None else gpus_per_worker) if use_gpu else 0
@@ -169,6 +176,53 @@ class RayExecutor:
         self._placement: Placement | None = None
         self._server: RendezvousServer | None = None
         self.start_seconds: float | None = None
+
+    def _elastic_job(self, num_workers: int | None, num_hosts: int | None, min_workers: int | None,
+                     max_workers: int | None, cpus_per_worker: float, use_gpu: bool, gpus_per_worker: float | None,
+                     reset_limit: int | None, cooldown_range: Sequence[float] | None, elastic_timeout: float,
+                     override_discovery: bool) -> ElasticJobRunner:
+        """The elastic form (``min_workers``/``max_workers``): each ``run`` is an elastic job."""
+        owner = "RayExecutor"
+        if num_hosts is not None:
+            raise ConfigError(f"{owner}: num_hosts={num_hosts} sizes a fixed-size job; an elastic job takes "
+                              "min_workers/max_workers (and num_workers to start with) and uses every live node")
+        low = 1 if min_workers is None else min_workers
+        check_bounds(owner, low, max_workers, num_workers)
+        _positive_number("cpus_per_worker", cpus_per_worker)
+        if gpus_per_worker is not None and not use_gpu:
+            raise ConfigError(f"{owner}: gpus_per_worker={gpus_per_worker} needs use_gpu=True")
+        gpus = (1 if gpus_per_worker is None else gpus_per_worker) if use_gpu else 0
+        if use_gpu:
+            _positive_number("gpus_per_worker", gpus)
+        if isinstance(elastic_timeout, bool) or not isinstance(elastic_timeout, (int, float)) or elastic_timeout <= 0:
+            raise ConfigError(f"{owner}: elastic_timeout must be a positive number of seconds, got {elastic_timeout!r}")
+        if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int)
+                                        or reset_limit < 0):
+            raise ConfigError(f"{owner}: reset_limit must be a non-negative integer, got {reset_limit!r}")
+        discovery = None
+        if not override_discovery:
+            discovery = getattr(self.settings, "discovery", None)
+            if discovery is None:
+                raise ConfigError(f"{owner}: override_discovery=False needs settings.discovery (the hosts source "
+                                  "to use instead of Ray's node table)")
+        cooldown = check_cooldown(owner, cooldown_range)
+        options = ElasticRayOptions(
+            min_np=low, max_np=max_workers, np=num_workers,
+            resources=WorkerResources(float(cpus_per_worker), float(gpus)), timeout_s=self._timeout_s,
+            elastic_timeout=float(elastic_timeout), reset_limit=reset_limit,
+            cooldown_range=DEFAULT_COOLDOWN_RANGE if cooldown is None else cooldown,
+            nics=tuple(self._nics) if self._nics else None, discovery=discovery)
+        return ElasticJobRunner(owner, options)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this executor runs elastic jobs (built with min_workers/max_workers)."""
+        return self._elastic is not None
+
+    @property
+    def last_outcome(self) -> Any:
+        """An elastic executor's last ``run``: its rounds, resets, failures and recovery times (else None)."""
+        return self._elastic.last_outcome if self._elastic is not None else None
 
     # ---- starting and stopping ----------------------------------------------------------------
 
@@ -181,6 +235,15 @@ class RayExecutor:
         ``extra_env_vars`` are set in every worker before the executable is built (hora's own
         identity variables win over them).
         """
+        if self._elastic is not None:
+            if executable_cls is not None:
+                raise ConfigError("RayExecutor.start: executable_cls applies to fixed-size jobs (execute() calls "
+                                  "it); an elastic job's workers come and go, so run() a function instead")
+            if extra_env_vars:
+                self._elastic.options = dataclasses.replace(
+                    self._elastic.options, env=tuple((str(k), str(v)) for k, v in extra_env_vars.items()))
+            self._elastic.start()
+            return
         if self._workers:
             raise HoraError("RayExecutor.start: already started; call shutdown() first")
         began = time.perf_counter()
@@ -238,6 +301,9 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Stop the workers, give back their placement group and stop the rendezvous store.
         Safe to call twice, or after a failed start; ``start()`` may be called again afterwards."""
+        if self._elastic is not None:
+            self._elastic.shutdown()
+            return
         if self._workers:
             try:  # let hora leave cleanly where it can; a busy worker is killed all the same
                 ray.wait([actor.stop_hora.remote() for actor in self._workers],
@@ -269,7 +335,12 @@ class RayExecutor:
 
         Each of ``callbacks`` is called here with every value a worker sends with
         :func:`hora.ray.ray_logger.log` (rank 0's, by default) while ``fn`` runs.
+
+        An elastic executor runs ``fn`` as one elastic job (see :mod:`hora.ray.elastic_executor`):
+        the results are those of the final world's ranks.
         """
+        if self._elastic is not None:
+            return self._elastic.run(fn, args, kwargs, callbacks)
         return self._call_all(Call(fn, args, kwargs), callbacks, "run")
 
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
@@ -293,7 +364,10 @@ class RayExecutor:
 
     @property
     def workers(self) -> list[Any]:
-        """The workers' actor handles, in rank order (empty until started)."""
+        """The workers' actor handles, in rank order (empty until started); for an elastic executor,
+        the workers running now, in start order."""
+        if self._elastic is not None:
+            return self._elastic.workers
         return list(self._workers)
 
     def _call_all(self, fn: Callable[[Any], Any], callbacks: Sequence[Callable[[Any], Any]] | None,
@@ -301,10 +375,13 @@ class RayExecutor:
         self._require_started(what)
         call_id = uuid.uuid4().hex if callbacks else None
         refs = [actor.execute.remote(fn, call_id) for actor in self._workers]
-        relay = _CallbackRelay(self._server, call_id, list(callbacks)) if callbacks else None
+        relay = ray_logger.CallbackRelay(self._server, call_id, list(callbacks)) if callbacks else None
         return self._gather(refs, what, relay)
 
     def _require_started(self, what: str) -> None:
+        if self._elastic is not None:
+            raise HoraError(f"RayExecutor.{what}: not available on an elastic executor (min_workers/max_workers): "
+                            "its workers come and go between rounds, so only run() applies")
         if not self._workers:
             raise HoraError(f"RayExecutor.{what}: the executor is not started (call start() first; "
                             "after a lost worker or shutdown(), start() again)")
@@ -319,12 +396,12 @@ class RayExecutor:
                               f"timeout_s={self._timeout_s:g} s (raise it with RayExecutor.create_settings("
                               "timeout_s=...) if they are just slow)") from None
         except ray.exceptions.RayActorError as exc:
-            raise LaunchError(f"hora.ray: {what}: a worker died: {_ANSI.sub('', str(exc)).strip()}") from exc
+            raise LaunchError(f"hora.ray: {what}: a worker died: {strip_colours(str(exc)).strip()}") from exc
         except ray.exceptions.RayTaskError as exc:
-            raise LaunchError(f"hora.ray: {what}: a worker failed: {_first_line(exc.cause)}\n"
-                              f"{_ANSI.sub('', str(exc)).rstrip()}") from None
+            raise LaunchError(f"hora.ray: {what}: a worker failed: {first_line(exc.cause)}\n"
+                              f"{strip_colours(str(exc)).rstrip()}") from None
 
-    def _gather(self, refs: list[Any], what: str, relay: "_CallbackRelay | None" = None) -> list[Any]:
+    def _gather(self, refs: list[Any], what: str, relay: "ray_logger.CallbackRelay | None" = None) -> list[Any]:
         """Every rank's result, in rank order, or the exception standing for the call's failure."""
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
@@ -373,14 +450,14 @@ class RayExecutor:
         if outcome.death is not None:
             rank, exc = outcome.death
             error = HorovodInternalError(f"hora.ray: rank {rank} of {self.num_workers} ({self._where(rank)}) "
-                                         f"was lost during {what}: {_reason(exc)}; the executor stopped its "
+                                         f"was lost during {what}: {lost_reason(exc)}; the executor stopped its "
                                          "workers: call start() again")
             error.__cause__ = exc
             return error
         stopped = (f"ranks {stuck} were still running {self._timeout_s:g} s (timeout_s) after the first "
                    "failure and were stopped with the other workers: call start() again") if stuck else None
         rank, task_error = outcome.first_raised()
-        error = _remote_exception(task_error, rank, self._where(rank), stopped)
+        error = remote_exception(task_error, rank, self._where(rank), stopped)
         peer = getattr(error, "failed_rank", None)  # a PeerFailureError names the peer it lost
         if isinstance(peer, int) and hasattr(error, "add_note"):
             error.add_note(f"rank {peer} ran on {self._where(peer)}")
@@ -392,14 +469,6 @@ class RayExecutor:
             return "Ray node unknown"
         node = self._nodes[rank]
         return f"Ray node {node['node_id'][:12]} at {node['ip']}"
-
-
-class ElasticRayExecutor:
-    """horovod.ray's elastic executor: not built yet, refused with one line."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedOption(f"hora.ray.ElasticRayExecutor: {NOT_BUILT}; use RayExecutor(num_workers=N) "
-                                "for a fixed-size job")
 
 
 class _Failures:
@@ -429,48 +498,13 @@ class _Failures:
         return self.errors[0]
 
 
-class _CallbackRelay:
-    """Hands values workers logged (:mod:`hora.ray.ray_logger`) to the call's callbacks."""
-
-    def __init__(self, server: RendezvousServer | None, call_id: str | None,
-                 callbacks: list[Callable[[Any], Any]]) -> None:
-        assert server is not None and call_id is not None
-        self._store = server.store
-        self._prefix = ray_logger.call_prefix(call_id)
-        self._callbacks = callbacks
-        self._error: BaseException | None = None
-
-    def deliver(self) -> None:
-        keys = self._store.keys(self._prefix)
-        # Keys are <rank>/<sequence>: each worker's values in the order it logged them.
-        for key in sorted(keys, key=lambda k: tuple(int(part) for part in k[len(self._prefix):].split("/"))):
-            blob = self._store.try_get(key)
-            self._store.delete(key)
-            if blob is None or self._error is not None:
-                continue
-            try:
-                value = cloudpickle.loads(blob)
-                for callback in self._callbacks:
-                    callback(value)
-            except Exception as exc:  # noqa: BLE001 - reported when the call ends, not mid-run
-                logger.warning("hora.ray: a callback raised %r; later values are not delivered", exc)
-                self._error = exc
-
-    def finish(self) -> None:
-        self.deliver()
-        self._store.delete_prefix(self._prefix)
-
-    def raise_failure(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-
-def _refuse_elastic(**options: Any) -> None:
+def _only_elastic(**options: Any) -> None:
+    """Elastic-only arguments on a fixed-size executor are refused, never silently ignored."""
     defaults = {"elastic_timeout": 600, "override_discovery": True}
     for name, value in options.items():
-        if value is not None and value != defaults.get(name, None):
-            raise UnsupportedOption(f"RayExecutor: {name}={value!r}: {NOT_BUILT}; give num_workers for a "
-                                    "fixed-size job")
+        if value != defaults.get(name, None):
+            raise ConfigError(f"RayExecutor: {name}={value!r} applies only to elastic jobs; give min_workers "
+                              "and/or max_workers to make this one elastic")
 
 
 def _positive_int(name: str, value: int | None) -> None:
@@ -512,35 +546,3 @@ def _visible_gpus(nodes: list[dict[str, Any]]) -> dict[str, str]:
     for node in nodes:  # in rank order, so each node's list is in local-rank order
         ids.setdefault(node["node_id"], []).extend(node["gpu_ids"])
     return {node_id: ",".join(gpu_ids) for node_id, gpu_ids in ids.items()}
-
-
-def _first_line(value: object) -> str:
-    text = str(value).strip()
-    return text.splitlines()[0] if text else type(value).__name__
-
-
-def _reason(exc: BaseException) -> str:
-    """Ray's explanation of a lost actor, on one line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return " ".join(lines[:2]) if lines else type(exc).__name__
-
-
-def _remote_exception(task_error: ray.exceptions.RayTaskError, rank: int, where: str,
-                      stopped: str | None) -> BaseException:
-    """The worker's own exception, with its rank and remote traceback attached (as hora.run does)."""
-    exc = task_error.cause
-    remote = getattr(exc, "hora_remote_traceback", None) or _ANSI.sub("", str(task_error))
-    remote = remote.rstrip()
-    if not isinstance(exc, BaseException) or isinstance(exc, ray.exceptions.RayError):
-        exc = HoraError(f"hora.ray: rank {rank} ({where}) raised an exception that cannot be sent back as an "
-                        f"object; remote traceback:\n{remote}")
-    elif hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(f"raised on rank {rank} ({where}); remote traceback:\n{remote}")
-    if stopped and hasattr(exc, "add_note"):
-        exc.add_note(stopped)
-    try:
-        exc.hora_rank = rank  # type: ignore[attr-defined]
-        exc.hora_remote_traceback = remote  # type: ignore[attr-defined]
-    except AttributeError:
-        logger.debug("cannot attach the rank to %r", exc)
-    return exc

@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
-from hora.rendezvous import RendezvousClient
+from hora.rendezvous import RendezvousClient, RendezvousServer
 from hora.runner import identity
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def log(info_dict: Any, chief_only: bool = True) -> None:
                 _warned = True
             return
         call_id, rank = _call
+        rank = _current_rank(rank)
         if chief_only and rank != 0:
             return
         if _client is None:
@@ -64,6 +65,16 @@ def log(info_dict: Any, chief_only: bool = True) -> None:
             _client = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, me.secret)
         _client.set(value_key(call_id, rank, _sequence), cloudpickle.dumps(info_dict))
         _sequence += 1
+
+
+def _current_rank(default: int) -> int:
+    """hora's rank now, where hora is initialised (an elastic job re-ranks its workers), else ``default``."""
+    import sys
+
+    basics = sys.modules.get("hora.basics")
+    if basics is not None and basics.is_initialized():
+        return int(basics.rank())
+    return default
 
 
 class active:
@@ -93,3 +104,39 @@ def close() -> None:
             client.close()
         except OSError as exc:
             logger.debug("closing the logger's store connection: %s", exc)
+
+
+class CallbackRelay:
+    """Hands values workers logged (:mod:`hora.ray.ray_logger`) to the call's callbacks."""
+
+    def __init__(self, server: RendezvousServer | None, call_id: str | None,
+                 callbacks: list[Callable[[Any], Any]]) -> None:
+        assert server is not None and call_id is not None
+        self._store = server.store
+        self._prefix = call_prefix(call_id)
+        self._callbacks = callbacks
+        self._error: BaseException | None = None
+
+    def deliver(self) -> None:
+        keys = self._store.keys(self._prefix)
+        # Keys are <rank>/<sequence>: each worker's values in the order it logged them.
+        for key in sorted(keys, key=lambda k: tuple(int(part) for part in k[len(self._prefix):].split("/"))):
+            blob = self._store.try_get(key)
+            self._store.delete(key)
+            if blob is None or self._error is not None:
+                continue
+            try:
+                value = cloudpickle.loads(blob)
+                for callback in self._callbacks:
+                    callback(value)
+            except Exception as exc:  # noqa: BLE001 - reported when the call ends, not mid-run
+                logger.warning("hora.ray: a callback raised %r; later values are not delivered", exc)
+                self._error = exc
+
+    def finish(self) -> None:
+        self.deliver()
+        self._store.delete_prefix(self._prefix)
+
+    def raise_failure(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -60,6 +60,23 @@ def _exited(exc: SystemExit) -> HoraError:
     return error
 
 
+def _last_rank() -> int | None:
+    """This worker's rank in the last world it joined (elastic jobs re-rank their workers)."""
+    basics = sys.modules.get("hora.basics")
+    last = getattr(getattr(basics, "_ctx", None), "last_rank", None)
+    return None if last is None else int(last)
+
+
+def _mark_rank(exc: BaseException) -> None:
+    """Attach the rank the worker had when it raised (the driver names it)."""
+    rank = _last_rank()
+    if rank is not None:
+        try:
+            exc.hora_rank = rank  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+
+
 def stop_hora() -> None:
     """Shut hora down in this process if a function initialised it (never raises)."""
     basics = sys.modules.get("hora.basics")
@@ -126,6 +143,24 @@ class RayWorker:
             except BaseException as exc:
                 _failed(exc)
                 raise
+
+    def run_elastic(self, call: Callable[[Any], Any], call_id: str | None = None) -> dict[str, Any]:
+        """Run an elastic job's function: ``{"rank": final rank, "value": result}``, or
+        ``{"left": True}`` when the worker left a world that had no place for it (``hora.init()``
+        ends such a worker with ``SystemExit(0)``, as it ends a process)."""
+        with ray_logger.active(call_id, self.rank if self.rank is not None else -1):
+            try:
+                value = call(self.executable)
+            except SystemExit as exc:
+                if exc.code in (0, None):
+                    stop_hora()
+                    return {"left": True}
+                raise _exited(exc) from None
+            except BaseException as exc:
+                _mark_rank(exc)
+                _failed(exc)
+                raise
+        return {"rank": _last_rank(), "value": value}
 
     def stop_hora(self) -> None:
         """Shut hora down here, so the next ``hora.init()`` joins a newly formed world."""

@@ -24,8 +24,11 @@ same surviving worker processes, through a new rendezvous round (:mod:`hora.rend
 - **The end.** The first worker to exit with status 0 means training is over: no new round opens, the
   driver waits for the rest of the world to exit, and a failure now fails the job.
 
-Output lines are prefixed with the worker's number in start order (for the first world, its rank),
-since ranks change from one round to the next.
+How a worker is started is the :class:`WorkerLauncher`'s business: :class:`JobLauncher` starts
+processes here and over SSH for ``hora run`` and :func:`hora.run` (their output lines are prefixed with
+the worker's number in start order, since ranks change from one round to the next), and
+:mod:`hora.ray.elastic` starts Ray actors. The driver only needs the job's rendezvous store and, for each
+worker, something it can wait on and stop.
 """
 
 from __future__ import annotations
@@ -35,19 +38,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Mapping, Protocol, Sequence
 
 from hora import config
 from hora.elastic.notification import HostsUpdate, announce_hosts_update, read_hosts_update
 from hora.errors import ConfigError, LaunchError
+from hora.rendezvous import KeyValueStore
 from hora.rendezvous.rounds import Round
 from hora.runner.discovery import DiscoveryError, HostDiscovery
 from hora.runner.elastic_hosts import HostRegistry, Plan, describe_plan, plan_size, plan_slots, plan_world
+from hora.runner.hosts import SlotInfo
 from hora.runner.job import Job
-from hora.runner.launch import JobOutcome, WorkerExit, _SignalTrap, start_worker
+from hora.runner.launch import JobOutcome, WorkerExit, _explained, _SignalTrap, start_worker
 from hora.runner.locality import is_local_host
-from hora.runner.process import LocalWorker, describe_returncode, signal_name
-from hora.runner.remote import RemoteWorker
+from hora.runner.process import describe_returncode, signal_name
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +86,86 @@ class ElasticSettings:
             raise ConfigError(f"--elastic-timeout must be positive, got {self.elastic_timeout:g}")
 
 
+class WorkerProcess(Protocol):
+    """A started worker as the driver sees it (a local or SSH process, a Ray actor)."""
+
+    def describe(self) -> str: ...
+
+    def wait(self) -> tuple[int, str | None]:
+        """Block until the worker ends: its exit status (0: it finished or left the world) and, when
+        it failed, a line saying how."""
+        ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def alive(self) -> bool: ...
+
+
+class WorkerLauncher(Protocol):
+    """Starts the workers of one elastic job and owns what they share: the store and their output."""
+
+    @property
+    def store(self) -> KeyValueStore: ...
+
+    @property
+    def kill_grace(self) -> float:
+        """Seconds a terminated worker gets before it is killed."""
+        ...
+
+    def start(self, slot: SlotInfo, env: Mapping[str, str], number: int) -> WorkerProcess:
+        """Start worker ``number`` (start order) for ``slot`` with the driver's extra ``env``;
+        :class:`hora.errors.LaunchError` when the slot's host cannot take it."""
+        ...
+
+    def drain_output(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the workers' output to be forwarded; False if some was still open."""
+        ...
+
+    def explain(self, failure: WorkerExit, number: int) -> WorkerExit:
+        """``failure`` (of worker ``number``) with the reason its output gives, where it gives one."""
+        ...
+
+
+class JobLauncher:
+    """Workers as processes of a :class:`~hora.runner.job.Job`: here, or over SSH on other hosts."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    @property
+    def store(self) -> KeyValueStore:
+        return self.job.store
+
+    @property
+    def kill_grace(self) -> float:
+        return self.job.kill_grace
+
+    def start(self, slot: SlotInfo, env: Mapping[str, str], number: int) -> WorkerProcess:
+        if self.job.local_only and not is_local_host(slot.hostname):
+            raise LaunchError(f"cannot start a worker on {slot.hostname}: the job's rendezvous store listens "
+                              "on loopback only, since every host was this machine when the job started "
+                              "(give --network-interfaces to listen on the network)")
+        return start_worker(self.job.spec_for(slot, env), self.job.router, number)
+
+    def drain_output(self, timeout: float) -> bool:
+        return self.job.router.join(timeout)
+
+    def explain(self, failure: WorkerExit, number: int) -> WorkerExit:
+        # The router knows the worker by its number; the failure names its rank at the time.
+        found = _explained(replace(failure, rank=number), self.job.router)
+        return replace(failure, reason=found.reason)
+
+
 @dataclass
 class _Worker:
-    """One worker process the driver started, and what became of it."""
+    """One worker the driver started, and what became of it."""
 
     number: int
     host: str
     slot: int
-    process: LocalWorker | RemoteWorker
+    process: WorkerProcess
     rank: int  # its rank in the round it was last assigned to
     retired: str | None = None  # why it no longer belongs to the world (None: it does)
     in_world: bool = False  # a round it belongs to has formed: it holds the training state
@@ -132,11 +208,12 @@ class ElasticOutcome(JobOutcome):
 
 
 class ElasticDriver:
-    """Runs one elastic job on ``job`` (entered: its store is up) until it ends; see the module doc."""
+    """Runs one elastic job until it ends; see the module doc. ``launcher`` starts the workers (a
+    :class:`~hora.runner.job.Job`, entered so its store is up, stands for its :class:`JobLauncher`)."""
 
-    def __init__(self, job: Job, discovery: HostDiscovery, settings: ElasticSettings,
+    def __init__(self, launcher: WorkerLauncher | Job, discovery: HostDiscovery, settings: ElasticSettings,
                  handle_signals: bool = False) -> None:
-        self.job = job
+        self.launcher: WorkerLauncher = JobLauncher(launcher) if isinstance(launcher, Job) else launcher
         self.discovery = discovery
         self.settings = settings
         self.registry = HostRegistry(settings.cooldown_range, removal_grace=settings.removal_grace)
@@ -205,7 +282,7 @@ class ElasticDriver:
                 if callable(close):
                     close()  # a discovery script still running must not outlive the job
                 self._stop_everyone()
-                if not self.job.router.join(_OUTPUT_DRAIN_SECONDS):
+                if not self.launcher.drain_output(_OUTPUT_DRAIN_SECONDS):
                     logger.warning("some worker output pipes were still open after %.0f s",
                                    _OUTPUT_DRAIN_SECONDS)
         poller.join(timeout=1.0)
@@ -311,7 +388,7 @@ class ElasticDriver:
             holding = {(w.host, w.slot) for w in self._live() if w.in_world}
             added = any((s.hostname, s.local_rank) not in holding for s in plan_slots(target))
             self._announce(skip_sync=not added and not self._failed_since_round)
-        store = self.job.store
+        store = self.launcher.store
         # The round records the announcement it reflects, so its workers react to every later one,
         # including one made before their first commit.
         last = read_hosts_update(store)
@@ -336,25 +413,18 @@ class ElasticDriver:
                         opened.generation)
 
     def _announce(self, skip_sync: bool) -> None:
-        store = self.job.store
+        store = self.launcher.store
         last = read_hosts_update(store)
         self._announcements = max(self._announcements, -1 if last is None else last.id) + 1
         announce_hosts_update(store, HostsUpdate(self._announcements, skip_sync))
 
-    def _start(self, slot) -> None:  # slot: SlotInfo
+    def _start(self, slot: SlotInfo) -> None:
         number = len(self._workers)
-        if self.job.local_only and not is_local_host(slot.hostname):
-            self._host_failed(slot.hostname, f"cannot start a worker on {slot.hostname}: the job's "
-                              "rendezvous store listens on loopback only, since every host was this "
-                              "machine when the job started (give --network-interfaces to listen on "
-                              "the network)")
-            return
         env = config.env_for("elastic", "1")
         env.update(config.env_for("start_timeout", max(float(config.get("start_timeout")),
                                                         self.settings.elastic_timeout)))
-        spec = self.job.spec_for(slot, env)
         try:
-            process = start_worker(spec, self.job.router, number)
+            process = self.launcher.start(slot, env, number)
         except LaunchError as exc:
             self._host_failed(slot.hostname, str(exc))
             return
@@ -373,7 +443,7 @@ class ElasticDriver:
         current = self._round
         if current is None or current.generation in self._formed:
             return
-        now = self.job.store.get_round(current.generation)
+        now = self.launcher.store.get_round(current.generation)
         if now is not None and now.complete:
             self._formed.add(current.generation)
             logger.info("rendezvous round %d formed: %d rank(s) in %.1f s", current.generation, current.size,
@@ -444,7 +514,7 @@ class ElasticDriver:
         self.outcome.stopped = sum(1 for w in running if w.alive and w.retired is None)
         for worker in running:
             worker.process.terminate()
-        deadline = time.monotonic() + self.job.kill_grace
+        deadline = time.monotonic() + self.launcher.kill_grace
         self._drain(deadline, running)
         for worker in running:
             if worker.process.alive():
@@ -464,17 +534,10 @@ class ElasticDriver:
 
     def _explain_failures(self) -> None:
         """Add each failure's Python exception (read from its output, which is complete now)."""
-        from hora.runner.launch import _explained
-
-        router = self.job.router
 
         def explained(failure: WorkerExit) -> WorkerExit:
             number = self._failure_numbers.get(id(failure))
-            if number is None:
-                return failure
-            # The router knows the worker by its number; the failure names its rank at the time.
-            found = _explained(replace(failure, rank=number), router)
-            return replace(failure, reason=found.reason)
+            return failure if number is None else self.launcher.explain(failure, number)
 
         self.outcome.failures = [explained(f) for f in self.outcome.failures]
         if self.outcome.failure is not None:
