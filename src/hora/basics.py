@@ -141,10 +141,12 @@ def shutdown() -> None:
 def reset() -> None:
     """``shutdown()``, and also forget which rendezvous round this process last joined, so the next
     ``init()`` behaves as the process's first (it joins round 0). For test fixtures that want every
-    test to start from a never-initialised process; jobs call ``shutdown()``."""
+    test to start from a never-initialised process, and for processes that serve one job after
+    another (Spark's reused Python workers); a job's own code calls ``shutdown()``."""
     shutdown()
     with _ctx.lock:
         _ctx.last_joined = None
+        _ctx.last_rank = None
 
 
 def is_initialized() -> bool:

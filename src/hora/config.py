@@ -150,6 +150,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("elastic_removal_grace", 3.0, _parse_nonneg_float,
          "Seconds a host must be missing from discovery before the elastic driver shrinks the world "
          "(a flaky answer costs no reset).", horovod_alias=False),
+    Knob("spark_start_timeout", 600.0, _parse_pos_float,
+         "Seconds hora.spark.run waits for Spark to start all its tasks (Horovod's "
+         "HOROVOD_SPARK_START_TIMEOUT; the start_timeout argument wins)."),
     Knob("elastic_discovery_timeout", 10.0, _parse_pos_float,
          "Seconds a host discovery script may run before it is killed and the poll counts as failed.",
          horovod_alias=False),

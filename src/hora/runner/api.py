@@ -101,7 +101,7 @@ def run(
     """
     if not callable(func):
         raise TypeError(f"hora.run needs a callable, got {type(func).__name__}")
-    _refuse_unsupported(use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
+    refuse_unsupported("hora.run", use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
     low = _same("min_num_proc", min_num_proc, "min_np", min_np)
     high = _same("max_num_proc", max_num_proc, "max_np", max_np)
     elastic = low is not None or high is not None or discovery is not None
@@ -202,14 +202,15 @@ def _resolve_num_proc(num_proc: int | None, np: int | None) -> int:
     return size
 
 
-def _refuse_unsupported(**options: Any) -> None:
-    """ConfigError naming the first option that asks for something hora does not have yet."""
+def refuse_unsupported(where: str, **options: Any) -> None:
+    """ConfigError naming the first option that asks for something hora does not have yet (the
+    rule every function-launching front end shares: hora.run, hora.spark.run)."""
     if options["use_gloo"] and options["use_mpi"]:
-        raise ConfigError("hora.run: use_gloo and use_mpi cannot both be set")
+        raise ConfigError(f"{where}: use_gloo and use_mpi cannot both be set")
     if options["use_mpi"]:
-        raise UnsupportedOption(f"hora.run: use_mpi: {NO_MPI_CONTROLLER}")
+        raise UnsupportedOption(f"{where}: use_mpi: {NO_MPI_CONTROLLER}")
     if options["mpi_args"] is not None:
-        raise UnsupportedOption(f"hora.run: mpi_args: {NO_MPIRUN}")
+        raise UnsupportedOption(f"{where}: mpi_args: {NO_MPIRUN}")
 
 
 def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapping[int, str]) -> list[Any]:
@@ -220,7 +221,7 @@ def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapp
         if blob is not None:
             decoded = cloudpickle.loads(blob)
             if decoded[0] == "error":
-                _raise_remote(failure.rank, failure.host, outcome.size, *decoded[1:])
+                raise_remote(failure.rank, failure.host, outcome.size, *decoded[1:])
         raise WorkerFailedError(
             f"{failure.description} before returning a result{outcome.stopped_suffix()}",
             failure.rank, failure.host, failure.returncode,
@@ -239,12 +240,12 @@ def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapp
             raise HoraError(f"the result of rank {rank} cannot be unpickled here: {exc!r}; "
                             "return types importable in the calling process") from None
         if decoded[0] == "error":  # a worker that stored an error exits 1; never return it as a value
-            _raise_remote(rank, hosts[rank], outcome.size, *decoded[1:])
+            raise_remote(rank, hosts[rank], outcome.size, *decoded[1:])
         results.append(decoded[1])
     return results
 
 
-def _raise_remote(rank: int, host: str, size: int, exc_blob: bytes | None, text: str,
+def raise_remote(rank: int, host: str, size: int, exc_blob: bytes | None, text: str,
                   remote_traceback: str) -> None:
     """Re-raise a worker's exception here, as itself when possible."""
     where = f"rank {rank} of {size} on {host}"
