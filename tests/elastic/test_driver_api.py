@@ -66,3 +66,47 @@ def test_hora_run_elastic_ends_with_an_error_naming_the_bound_when_too_few_hosts
                                                 r"fewer than --min-np 3.*exited with status 3"):
         hora.run(_train, args=(str(tmp_path / "died"),), np=3, min_np=3,
                  hosts="localhost:2,127.0.0.1:1", elastic_timeout=60)
+
+
+def _finish_while_hosts_grow(grow: str) -> tuple[int, int]:
+    import time
+
+    import hora
+    import hora.elastic
+
+    hora.init()
+    state = hora.elastic.ObjectState(step=0)
+
+    @hora.elastic.run
+    def loop(state: Any) -> tuple[int, int]:
+        while state.step < 3:
+            hora.allreduce(np.ones(1), name="step")
+            state.step += 1
+            state.commit()
+        # A host appears after the last commit (during a final evaluation, say): nobody commits
+        # again, so nobody answers the driver's announcement before training ends.
+        if hora.rank() == 0:
+            open(grow, "w").close()
+        time.sleep(4)  # meanwhile the driver opens a round for the new host and starts its worker
+        return hora.rank(), hora.size()
+
+    return loop(state)
+
+
+def test_training_that_ends_while_a_new_round_forms_ends_promptly_with_the_formed_world(
+        tmp_path: Path, no_hora_env: None) -> None:
+    import time
+
+    grow = tmp_path / "grow"
+
+    def discover() -> dict[str, int]:
+        return {"localhost": 2 if grow.exists() else 1}
+
+    began = time.monotonic()
+    results = hora.run(_finish_while_hosts_grow, args=(str(grow),), np=1, min_np=1, max_np=2, discovery=discover,
+                       elastic_timeout=60)
+    assert grow.exists()
+    # The world of 1 trained and finished; the worker started for the round of 2 was stopped at once
+    # instead of waiting out its start time-out for peers that were done.
+    assert results == [(0, 1)]
+    assert time.monotonic() - began < 30

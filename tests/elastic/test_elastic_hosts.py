@@ -150,6 +150,19 @@ def test_a_blacklisted_host_is_out_even_within_its_removal_grace() -> None:
     assert registry.usable() == {"node-a": 2}
 
 
+def test_a_failed_host_that_vanished_does_not_come_back_when_its_cooldown_ends_within_the_grace() -> None:
+    clock = Clock()
+    registry = HostRegistry(cooldown_range=(1, 1), clock=clock, jitter=lambda: 0.0, removal_grace=3.0)
+    registry.update({"executor-1": 1, "executor-2": 1})
+    registry.blacklist("executor-2")  # its worker was lost with it
+    registry.update({"executor-1": 1})  # and it is gone from discovery
+    clock.now += 2.0  # cooldown over, removal grace not
+    registry.update({"executor-1": 1})
+    assert registry.usable() == {"executor-1": 1}
+    registry.update({"executor-1": 1, "executor-2": 1})  # found again: usable again
+    assert registry.usable() == {"executor-1": 1, "executor-2": 1}
+
+
 # ---- planning the world --------------------------------------------------------------------------
 
 

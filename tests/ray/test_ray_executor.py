@@ -7,6 +7,7 @@ callbacks, failures that name their rank, and arguments that are refused before 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -289,6 +290,7 @@ def test_bad_sizes_are_refused_before_anything_starts(kwargs, message):
     ({"min_workers": 2, "max_workers": 4, "num_workers": 5}, r"num_workers=5 is outside \[2, 4\]"),
     ({"min_workers": 0}, "minimum number of workers must be a positive integer"),
     ({"min_workers": 1, "num_hosts": 2}, "num_hosts=2 sizes a fixed-size job"),
+    ({"min_workers": 1, "num_workers_per_host": 2}, "num_workers_per_host=2 sizes a fixed-size job"),
     ({"min_workers": 1, "cooldown_range": (5, 1)}, "cooldown_range needs two numbers 0 <= MIN <= MAX"),
     ({"min_workers": 1, "elastic_timeout": 0}, "elastic_timeout must be a positive number"),
     ({"min_workers": 1, "override_discovery": False}, "override_discovery=False needs settings.discovery"),
@@ -304,8 +306,10 @@ def test_elastic_executor_settings_are_checked():
         ElasticRayExecutor.create_settings(min_num_proc=1, min_np=2)
     with pytest.raises(ConfigError, match=r"minimum number of workers \(4\) is greater than the maximum \(2\)"):
         ElasticRayExecutor.create_settings(min_np=4, max_np=2)
-    with pytest.raises(ConfigError, match="unknown argument"):
-        ElasticRayExecutor.create_settings(min_np=1, bogus=3)
+    assert ElasticRayExecutor.create_settings(min_np=1, bogus=3).min_np == 1  # Horovod passes extras on
+    assert ElasticRayExecutor.create_settings().cooldown_range == (10.0, 300.0)
+    forever = ElasticRayExecutor.create_settings(cooldown_range=(math.inf, math.inf)).cooldown_range
+    assert forever == (math.inf, math.inf)  # Horovod's "out for good"
     settings = ElasticRayExecutor.create_settings(min_np=2, max_np=3, reset_limit=4, elastic_timeout=9)
     assert (settings.min_np, settings.max_np, settings.reset_limit, settings.elastic_timeout) == (2, 3, 4, 9)
     with pytest.raises(ConfigError, match="gpus_per_slot=1 needs use_gpu=True"):

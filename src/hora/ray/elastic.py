@@ -47,6 +47,7 @@ from hora.ray.worker import Call, RayWorker
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
 from hora.runner.discovery import DiscoveryError, HostSlots
 from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
+from hora.runner.elastic_hosts import CLUSTER_COOLDOWN_RANGE
 from hora.runner.hosts import SlotInfo
 from hora.runner.launch import WorkerExit
 from hora.runner.worker_env import JobContext, worker_environment
@@ -54,12 +55,13 @@ from hora.runner.worker_env import JobContext, worker_environment
 logger = logging.getLogger(__name__)
 
 # Seconds a blacklisted node stays out after its first failure, and at most (see the module doc).
-DEFAULT_COOLDOWN_RANGE = (10.0, 300.0)
+DEFAULT_COOLDOWN_RANGE = CLUSTER_COOLDOWN_RANGE
 # Exit statuses a Ray worker reports to the driver.
 RAISED = 1
 LOST = 137  # as a process killed by SIGKILL would report: the worker did not end by itself
 _ANSWER_POLL_S = 0.5
 _ACTORS_GONE_S = 10.0
+_RELAY_JOIN_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,13 +328,19 @@ class RayActorLauncher:
     # ---- workers ---------------------------------------------------------------------------------
 
     def start(self, slot: SlotInfo, env: Mapping[str, str], number: int) -> RayActorProcess:
-        node = self.discovery.node_for(slot.hostname)
-        if node is None:
-            raise LaunchError(f"no live Ray node is known as {slot.hostname}")
-        actor = self._actor_cls.options(
-            num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-        ).remote(self._sys_path)
+        try:
+            node = self.discovery.node_for(slot.hostname)
+            if node is None:
+                raise LaunchError(f"no live Ray node is known as {slot.hostname}")
+            actor = self._actor_cls.options(
+                num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            ).remote(self._sys_path)
+        except LaunchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one host's trouble, not the job's end
+            raise LaunchError(f"Ray could not start a worker on {slot.hostname}: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from exc
         assert self._context is not None
         full = worker_environment(slot, self._context, base={}, extra={**self._extra_env, **env})
         full.update(config.env_for("host_id", node.node_id, with_alias=False))
@@ -346,11 +354,13 @@ class RayActorLauncher:
         return self._envs[process.number]
 
     def held(self) -> dict[str, int]:
-        """Workers per node that run and hold their resources (for discovery's free-slot count)."""
+        """Workers per node started and not yet ended (for discovery's free-slot count). Ray takes an
+        actor's resources when it places it, well before the actor answers, so a worker counts from
+        its start: counting it only once it answered would show its node short of a slot meanwhile."""
         counts: dict[str, int] = {}
         with self._lock:
             for worker in self.workers:
-                if worker.ready and worker.alive():
+                if worker.alive():
                     counts[worker.node.node_id] = counts.get(worker.node.node_id, 0) + 1
         return counts
 
@@ -438,32 +448,37 @@ def run_elastic_job(options: ElasticRayOptions, fn: Callable[..., Any], args: Se
     discovery = RayHostDiscovery(options.resources)
     call_id = uuid.uuid4().hex if callbacks else None
     env = dict(options.env)
-    env.update(config.env_for("start_timeout", options.timeout_s))
     launcher = RayActorLauncher(discovery, call, options.resources, options.timeout_s,
                                 nics=options.nics, extra_env=env, call_id=call_id)
     discovery.held = launcher.held
     source = discovery if options.discovery is None else _UserDiscovery(options.discovery)
-    launcher.open()
-    relay = ray_logger.CallbackRelay(launcher.server, call_id, list(callbacks)) if callbacks else None
+    relay: ray_logger.CallbackRelay | None = None
     stop_relay = threading.Event()
     relay_thread = None
-    if relay is not None:
-        def deliver() -> None:
-            while not stop_relay.wait(0.1):
-                relay.deliver()
-
-        relay_thread = threading.Thread(target=deliver, name="hora-ray-callbacks", daemon=True)
-        relay_thread.start()
     try:
+        launcher.open()
+        if callbacks:
+            relay = ray_logger.CallbackRelay(launcher.server, call_id, list(callbacks))
+
+            def deliver() -> None:
+                while not stop_relay.wait(0.1):
+                    relay.deliver()
+
+            relay_thread = threading.Thread(target=deliver, name="hora-ray-callbacks", daemon=True)
+            relay_thread.start()
         if on_start is not None:
             on_start(launcher)
         outcome = ElasticDriver(launcher, source, options.settings()).run()
     finally:
         stop_relay.set()
         if relay_thread is not None:
-            relay_thread.join(timeout=5)
+            relay_thread.join(timeout=_RELAY_JOIN_S)
         if relay is not None:
-            relay.finish()
+            if relay_thread is not None and relay_thread.is_alive():
+                logger.warning("hora.ray: a callback is still running %g s after the job ended; values not "
+                               "delivered yet are dropped", _RELAY_JOIN_S)
+            else:
+                relay.finish()
         launcher.close()
     if relay is not None:
         relay.raise_failure()
@@ -472,22 +487,28 @@ def run_elastic_job(options: ElasticRayOptions, fn: Callable[..., Any], args: Se
 
 def _results(outcome: ElasticOutcome, launcher: RayActorLauncher) -> list[Any]:
     """The final world's results in rank order, or the exception standing for the job's failure."""
-    failure = outcome.failure
-    if failure is None and outcome.error is None and outcome.signal is None:
-        final = outcome.rounds[-1] if outcome.rounds else None
-        size = final.size if final is not None else 0
-        by_rank = {w.result.rank: w.result.value for w in launcher.workers
-                   if w.result is not None and w.result.rank is not None}
+    by_number = {worker.number: worker for worker in launcher.workers}
+    if outcome.failure is None and outcome.error is None and outcome.signal is None:
+        size = outcome.world.size if outcome.world is not None else 0
+        by_rank: dict[int, Any] = {}
+        for number in outcome.final_workers:
+            worker = by_number.get(number)
+            if worker is not None and worker.result is not None:
+                rank = worker.result.rank if worker.result.rank is not None else worker.first_rank
+                by_rank[rank] = worker.result.value
         missing = [rank for rank in range(size) if rank not in by_rank]
         if not missing:
             return [by_rank[rank] for rank in range(size)]
         raise HoraError(f"hora.ray: the job ended but ranks {missing} of the final world ({size} ranks) "
                         "returned no result")
-    raised = [w.error for w in launcher.workers if w.error is not None]
-    if failure is not None and raised:
-        # The job was finishing when a worker raised: that exception is the job's failure.
-        raise raised[-1]
+    failed = by_number.get(outcome.failure_worker) if outcome.failure_worker is not None else None
+    if failed is not None and failed.error is not None:
+        # The job was finishing when this worker raised: its exception is the job's failure.
+        raise failed.error
     error = LaunchError(f"hora.ray: {outcome.message()}")
-    if raised:
-        error.__cause__ = raised[-1]  # the last exception a worker's function raised
+    for number in reversed(outcome.failure_workers):  # the last failure that was an exception
+        worker = by_number.get(number)
+        if worker is not None and worker.error is not None:
+            error.__cause__ = worker.error
+            break
     raise error

@@ -71,9 +71,12 @@ def _one_of(owner: str, name: str, value: Any, alias: str, alias_value: Any) -> 
     return value if value is not None else alias_value
 
 
-def check_cooldown(owner: str, cooldown_range: Sequence[float] | None) -> tuple[float, float] | None:
+def resolve_cooldown(owner: str, cooldown_range: Sequence[float] | None) -> tuple[float, float]:
+    """``cooldown_range`` as the driver takes it: None gives ``DEFAULT_COOLDOWN_RANGE`` (a Ray node
+    whose worker failed gets another chance; Horovod's None keeps it out for good, which
+    ``(math.inf, math.inf)`` still asks for), two numbers are the range."""
     if cooldown_range is None:
-        return None
+        return DEFAULT_COOLDOWN_RANGE
     values = list(cooldown_range)
     if (len(values) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values)
             or values[0] < 0 or values[0] > values[1]):
@@ -112,6 +115,11 @@ class ElasticJobRunner:
         if ray.util.client.ray.is_connected():
             raise LaunchError(f"{self.owner} needs a driver that runs on a node of the Ray cluster (workers "
                               "connect to the rendezvous store it serves); Ray Client (ray://) is not supported")
+        from ray.util.placement_group import get_current_placement_group
+
+        if get_current_placement_group() is not None:
+            logger.warning("%s: running inside a placement group (a Ray Tune trial?): an elastic job does not use "
+                           "it; its workers take the resources they need from the nodes' free ones", self.owner)
         self.started = True
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
@@ -153,13 +161,16 @@ class ElasticRayExecutor:
                         reset_limit: int | None = None, elastic_timeout: float = 600, timeout_s: float = 30,
                         ssh_identity_file: str | None = None, nics: Iterable[str] | str | None = None,
                         min_np: int | None = None, max_np: int | None = None,
-                        cooldown_range: Sequence[float] | None = DEFAULT_COOLDOWN_RANGE,
+                        cooldown_range: Sequence[float] | None = None,
                         verbose: int = 1, **kwargs: Any) -> ElasticRaySettings:
         """The executor's settings (horovod.ray's signature, ``min_np``/``max_np`` being the older
-        spellings of ``min_num_proc``/``max_num_proc``; see :class:`ElasticRaySettings`)."""
+        spellings of ``min_num_proc``/``max_num_proc``; see :class:`ElasticRaySettings`).
+        ``cooldown_range`` None (the default): ``DEFAULT_COOLDOWN_RANGE``. Other keyword arguments Horovod passes on to its settings object are
+        accepted and named in a warning: none of them changes anything here."""
         owner = "ElasticRayExecutor.create_settings"
         if kwargs:
-            raise ConfigError(f"{owner}: unknown argument(s) {', '.join(sorted(kwargs))}")
+            logger.warning("%s: %s not used by hora.ray (accepted for horovod.ray compatibility)", owner,
+                           ", ".join(sorted(kwargs)))
         low = _one_of(owner, "min_num_proc", min_num_proc, "min_np", min_np)
         high = _one_of(owner, "max_num_proc", max_num_proc, "max_np", max_np)
         low = 1 if low is None else low
@@ -173,7 +184,7 @@ class ElasticRayExecutor:
             logger.warning("hora.ray: ssh_identity_file is not used: Ray starts every worker, no SSH")
         return ElasticRaySettings(min_np=low, max_np=high, reset_limit=reset_limit,
                                   elastic_timeout=float(elastic_timeout), timeout_s=float(timeout_s),
-                                  cooldown_range=check_cooldown(owner, cooldown_range), nics=_nic_set(nics),
+                                  cooldown_range=resolve_cooldown(owner, cooldown_range), nics=_nic_set(nics),
                                   ssh_identity_file=ssh_identity_file, verbose=verbose)
 
     def __init__(self, settings: ElasticRaySettings, use_gpu: bool = False, cpus_per_slot: float | None = None,

@@ -39,8 +39,8 @@ import ray.exceptions
 from hora import config
 from hora.errors import ConfigError, HoraError, HorovodInternalError, LaunchError
 from hora.ray import ray_logger
-from hora.ray.elastic import DEFAULT_COOLDOWN_RANGE, ElasticRayOptions
-from hora.ray.elastic_executor import ElasticJobRunner, check_bounds, check_cooldown
+from hora.ray.elastic import ElasticRayOptions
+from hora.ray.elastic_executor import ElasticJobRunner, check_bounds, resolve_cooldown
 from hora.ray.failures import first_line, lost_reason, remote_exception, strip_colours
 from hora.ray.placement import Placement, WorkerResources, reserve
 from hora.ray.worker import Call, RayWorker
@@ -139,6 +139,9 @@ class RayExecutor:
         self._nics = sorted(nics) if nics else None
         self._elastic: ElasticJobRunner | None = None
         if min_workers is not None or max_workers is not None:
+            if num_workers_per_host != 1:
+                raise ConfigError(f"RayExecutor: num_workers_per_host={num_workers_per_host} sizes a fixed-size "
+                                  "job; an elastic job places its workers by each node's free resources")
             self._elastic = self._elastic_job(num_workers, num_hosts, min_workers, max_workers, cpus_per_worker,
                                               use_gpu, gpus_per_worker, reset_limit, cooldown_range,
                                               elastic_timeout, override_discovery)
@@ -205,12 +208,12 @@ class RayExecutor:
             if discovery is None:
                 raise ConfigError(f"{owner}: override_discovery=False needs settings.discovery (the hosts source "
                                   "to use instead of Ray's node table)")
-        cooldown = check_cooldown(owner, cooldown_range)
+        cooldown = resolve_cooldown(owner, cooldown_range)
         options = ElasticRayOptions(
             min_np=low, max_np=max_workers, np=num_workers,
             resources=WorkerResources(float(cpus_per_worker), float(gpus)), timeout_s=self._timeout_s,
             elastic_timeout=float(elastic_timeout), reset_limit=reset_limit,
-            cooldown_range=DEFAULT_COOLDOWN_RANGE if cooldown is None else cooldown,
+            cooldown_range=cooldown,
             nics=tuple(self._nics) if self._nics else None, discovery=discovery)
         return ElasticJobRunner(owner, options)
 

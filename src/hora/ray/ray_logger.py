@@ -13,6 +13,7 @@ knows the job secret), under keys of the current call, which the driver reads an
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from typing import Any, Callable
@@ -39,7 +40,9 @@ def call_prefix(call_id: str) -> str:
 
 
 def value_key(call_id: str, rank: int, sequence: int) -> str:
-    return f"{call_prefix(call_id)}{rank}/{sequence:09d}"
+    """``<rank>/<pid>/<sequence>``: the process id keeps apart two workers that held one rank in
+    turn (an elastic job re-ranks its workers), each counting its own sequence."""
+    return f"{call_prefix(call_id)}{rank}/{os.getpid()}/{sequence:09d}"
 
 
 def log(info_dict: Any, chief_only: bool = True) -> None:
@@ -68,13 +71,17 @@ def log(info_dict: Any, chief_only: bool = True) -> None:
 
 
 def _current_rank(default: int) -> int:
-    """hora's rank now, where hora is initialised (an elastic job re-ranks its workers), else ``default``."""
+    """hora's rank now where hora is initialised (an elastic job re-ranks its workers), else the rank
+    of the last world this worker joined (while the world re-forms), else ``default``."""
     import sys
 
     basics = sys.modules.get("hora.basics")
-    if basics is not None and basics.is_initialized():
+    if basics is None:
+        return default
+    if basics.is_initialized():
         return int(basics.rank())
-    return default
+    last = getattr(basics._ctx, "last_rank", None)
+    return default if last is None else int(last)
 
 
 class active:

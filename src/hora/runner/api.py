@@ -168,7 +168,7 @@ def _run_elastic(request: ElasticRequest, command: list[str], payload: bytes, ex
         store.set(FUNC_KEY, payload)
 
     def take_results(store: Any, outcome: ElasticOutcome) -> None:
-        final = outcome.rounds[-1] if outcome.rounds else None
+        final = outcome.world
         for rank in range(final.size if final else 0):
             collected[rank] = store.try_get(result_key(rank))
 
@@ -180,7 +180,7 @@ def _run_elastic(request: ElasticRequest, command: list[str], payload: bytes, ex
         last = failures[-1] if failures else None
         raise WorkerFailedError(f"hora.run: {outcome.message()}", last.rank if last else -1,
                                 last.host if last else "", last.returncode if last else 1)
-    final = outcome.rounds[-1] if outcome.rounds else None
+    final = outcome.world
     hostnames = {rank: host for rank, host in (final.members if final else ())}
     return _collect(outcome, collected, hostnames)
 

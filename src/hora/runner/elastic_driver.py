@@ -187,7 +187,14 @@ class ElasticOutcome(JobOutcome):
     error: str | None = None
     resets: int = 0
     rounds: list[Round] = field(default_factory=list)
+    # The last round that formed: the world training ended in (None: none ever formed).
+    world: Round | None = None
+    # Start numbers of the workers of that world, once training finished (whose results count).
+    final_workers: list[int] = field(default_factory=list)
     failures: list[WorkerExit] = field(default_factory=list)
+    # The start number of the worker behind each entry of ``failures``, and behind ``failure``.
+    failure_workers: list[int] = field(default_factory=list)
+    failure_worker: int | None = None
     # Seconds from a failure being seen to the next world forming, one per failure-driven reset.
     recovery_seconds: list[float] = field(default_factory=list)
 
@@ -446,6 +453,7 @@ class ElasticDriver:
         now = self.launcher.store.get_round(current.generation)
         if now is not None and now.complete:
             self._formed.add(current.generation)
+            self.outcome.world = current
             logger.info("rendezvous round %d formed: %d rank(s) in %.1f s", current.generation, current.size,
                         time.monotonic() - self._round_opened)
             if self._failure_seen_at is not None:
@@ -454,7 +462,7 @@ class ElasticDriver:
             for worker in self._workers.values():
                 if worker.alive and worker.retired is not None:
                     worker.process.terminate()
-                elif worker.alive:
+                elif worker.retired is None:  # one that already finished was in this world too
                     worker.in_world = True
         elif time.monotonic() - self._round_opened > self.settings.elastic_timeout:
             joined = {rank for rank, _ in (now.members if now else ())}
@@ -484,16 +492,34 @@ class ElasticDriver:
                 if not self._finishing:
                     logger.info("%s finished: training is over; waiting for the rest of the world",
                                 worker.describe())
-                self._finishing = True
+                    self._finish()
                 continue
             failure = WorkerExit(worker.rank, worker.host, returncode, detail)
             self.outcome.failures.append(failure)
+            self.outcome.failure_workers.append(worker.number)
             self._failure_numbers[id(failure)] = worker.number
             worker.retired = "failed"
             if self._finishing:
                 self.outcome.failure = failure
+                self.outcome.failure_worker = worker.number
                 return
             self._host_failed(worker.host, f"{worker.describe()} {detail or describe_returncode(returncode)}")
+
+    def _finish(self) -> None:
+        """Training is over: the world that formed last is the final one. Workers started for a
+        round that has not formed (hosts that came too late) never hold the state and would wait
+        for peers that are done, so they are stopped now."""
+        self._watch_round()  # a round that formed a moment ago counts
+        self._finishing = True
+        for worker in self._workers.values():
+            if worker.alive and worker.retired is None and not worker.in_world:
+                worker.retired = "training finished before its round formed"
+                logger.info("%s: %s; stopping it", worker.describe(), worker.retired)
+                worker.process.terminate()
+        self.outcome.final_workers = [w.number for w in self._workers.values()
+                                      if w.retired is None and w.in_world]
+        if self.outcome.world is not None:
+            self.outcome.size = self.outcome.world.size
 
     def _host_failed(self, host: str, why: str) -> None:
         self._failed_since_round = True

@@ -5,7 +5,8 @@ worker that fails. Without a cooldown range a blacklisted host is out for the re
 ``--blacklist-cooldown-range LO HI``, the host's n-th failure keeps it out for ``LO * 2**(n-1)``
 seconds, at most ``HI``, plus up to one second of jitter so hosts that failed together do not come
 back together. A flaky host thus waits longer each time, and a host that recovered is used again.
-A host missing from discovery answers counts as removed only after ``removal_grace`` seconds.
+A host missing from discovery answers counts as removed only after ``removal_grace`` seconds (a
+blacklisted one at once: it failed, then vanished).
 
 :func:`plan_world` turns the usable hosts into the next round's plan. Hosts of the current world
 come first, in their current order, then new hosts in discovery order, and the total is capped at
@@ -28,6 +29,11 @@ from hora.runner.hosts import Host, SlotInfo, assign_slots
 logger = logging.getLogger(__name__)
 
 Plan = tuple[tuple[str, int], ...]
+
+# The cooldown (seconds after a host's first failure, and at most) of jobs whose hosts a cluster
+# manager provides (Ray, Spark): it removes dead machines itself, so a live one whose worker failed
+# deserves another try, later each time.
+CLUSTER_COOLDOWN_RANGE = (10.0, 300.0)
 
 
 @dataclass
@@ -65,6 +71,11 @@ class HostRegistry:
         merged = dict(discovered)
         for host, slots in previous.items():
             if host in discovered:
+                self._missing_since.pop(host, None)
+                continue
+            if host in self._blacklist:
+                # A host that failed and then vanished is gone: the grace is for healthy hosts that
+                # drop out of one answer, and must not bring a dead one back when its cooldown ends.
                 self._missing_since.pop(host, None)
                 continue
             since, _ = self._missing_since.setdefault(host, (now, slots))

@@ -61,12 +61,18 @@ def _extend_sys_path(entries: list[str]) -> None:
             sys.path.append(entry)
 
 
-def _call(client: RendezvousClient, rank: int, timeout: float) -> tuple[bool, bytes]:
-    """Fetch and run the function; (succeeded, encoded outcome)."""
+def _call(client: RendezvousClient, rank: int, timeout: float) -> tuple[bool, bytes | None]:
+    """Fetch and run the function; (succeeded, encoded outcome). No outcome when an elastic worker
+    left a world that had no place for it: it has no result, and a rank of the final world may
+    hold the rank it last had."""
     try:
         _extend_sys_path(json.loads(client.get(SYS_PATH_KEY, timeout=timeout)))
         func, args, kwargs = cloudpickle.loads(client.get(FUNC_KEY, timeout=timeout))
         value = func(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code in (0, None) and config.get("elastic"):
+            return True, None
+        return False, encode_error(exc, traceback.format_exc())
     except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are reported too
         return False, encode_error(exc, traceback.format_exc())
     try:
@@ -94,7 +100,8 @@ def main() -> int:
     with RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, identity.secret,
                           connect_timeout=timeout) as client:
         succeeded, outcome = _call(client, identity.rank, timeout)
-        client.set(result_key(_final_rank(identity.rank)), outcome)
+        if outcome is not None:
+            client.set(result_key(_final_rank(identity.rank)), outcome)
     return 0 if succeeded else 1
 
 

@@ -1,4 +1,5 @@
-"""hora on Spark: horovod.spark's ``run`` with hora's workers as the tasks of a Spark barrier stage.
+"""hora on Spark: horovod.spark's ``run`` (hora's workers as the tasks of a Spark barrier stage) and
+``run_elastic`` (workers in long-running Spark tasks, re-formed when executors come and go).
 
 ``import hora.spark`` replaces ``import horovod.spark``; see docs/spark.md. Needs PySpark 4 and
 pyarrow: ``pip install "hora[spark]"``.
@@ -9,6 +10,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('hora.spark needs PySpark, which is not installed: pip install "hora[spark]"') from exc
 
+from hora.spark.elastic import run_elastic
 from hora.spark.runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]

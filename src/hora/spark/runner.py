@@ -132,7 +132,7 @@ class _SparkJob:
         self.slots = slots
         self.extra_env = extra_env
         self.verbose = verbose
-        self.relay = _OutputRelay(stdout, stderr, timestamps)
+        self.relay = OutputRelay(stdout, stderr, timestamps)
         self.group = ""
         self._outcome: list[tuple[int, bytes]] | None = None
         self._error: BaseException | None = None
@@ -241,7 +241,7 @@ def _spark_reason(exc: BaseException) -> str:
     return text.strip().splitlines()[0][:600] if text.strip() else type(exc).__name__
 
 
-class _OutputRelay:
+class OutputRelay:
     """Writes the tasks' output (from the store) to the driver's streams, line by line, prefixed."""
 
     def __init__(self, stdout: TextIO | None, stderr: TextIO | None, timestamps: bool) -> None:

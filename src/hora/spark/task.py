@@ -15,6 +15,7 @@ While the function runs, what it prints goes to the driver (through the store), 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -85,12 +86,12 @@ class TaskSpec:
     nics: tuple[str, ...] | None = None  # interfaces (or addresses) to listen on: the first present here
 
 
-class _ToDriver(io.TextIOBase):
+class ToDriver(io.TextIOBase):
     """A task's ``sys.stdout``/``sys.stderr`` while the function runs: the text goes to the driver,
     as a worker process's output goes to ``hora run`` (not also to the executor's own log, which in
     local mode is the driver's terminal too)."""
 
-    def __init__(self, name: str, shipper: "_OutputShipper") -> None:
+    def __init__(self, name: str, shipper: "OutputShipper") -> None:
         self._name = name
         self._shipper = shipper
 
@@ -102,7 +103,7 @@ class _ToDriver(io.TextIOBase):
         return len(text)
 
 
-class _OutputShipper:
+class OutputShipper:
     """Collects a task's output and puts it in the store every ``_SHIP_INTERVAL_S`` (and at the end)."""
 
     def __init__(self, client: RendezvousClient, rank: int) -> None:
@@ -140,6 +141,20 @@ class _OutputShipper:
         self.ship()
 
 
+@contextlib.contextmanager
+def shipped_output(client: RendezvousClient, label: int) -> Iterator[None]:
+    """While the block runs, ``sys.stdout``/``sys.stderr`` go to the driver under ``label``."""
+    saved = sys.stdout, sys.stderr
+    shipper = OutputShipper(client, label)
+    sys.stdout = ToDriver("stdout", shipper)  # type: ignore[assignment]
+    sys.stderr = ToDriver("stderr", shipper)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        shipper.close()
+
+
 def run_task(spec: TaskSpec, _partition: Iterator[Any]) -> Iterator[tuple[int, bytes]]:
     """The barrier stage's partition function: ``(rank, encoded outcome)``."""
     from pyspark import BarrierTaskContext
@@ -165,8 +180,7 @@ def run_task(spec: TaskSpec, _partition: Iterator[Any]) -> Iterator[tuple[int, b
 def _run_function(client: RendezvousClient, spec: TaskSpec, slot: SlotInfo) -> bytes:
     saved_env = dict(os.environ)
     saved_path = list(sys.path)
-    saved_streams = sys.stdout, sys.stderr
-    shipper = _OutputShipper(client, slot.rank) if spec.ship_output else None
+    output = shipped_output(client, slot.rank) if spec.ship_output else contextlib.nullcontext()
     try:
         try:
             for entry in json.loads(client.get(SYS_PATH_KEY, timeout=spec.start_timeout)):
@@ -180,11 +194,9 @@ def _run_function(client: RendezvousClient, spec: TaskSpec, slot: SlotInfo) -> b
                     raise RuntimeError(f"nics={list(spec.nics)} on {slot.hostname}: {exc}") from None
                 env.update(config.env_for("iface", address, with_alias=False))
             os.environ.update(env)
-            if shipper is not None:
-                sys.stdout = _ToDriver("stdout", shipper)  # type: ignore[assignment]
-                sys.stderr = _ToDriver("stderr", shipper)  # type: ignore[assignment]
             fn, args, kwargs = cloudpickle.loads(client.get(FUNC_KEY, timeout=spec.start_timeout))
-            value = fn(*args, **kwargs)
+            with output:
+                value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - SystemExit included: it must not end Spark's worker
             return encode_error(exc, traceback.format_exc())
         try:
@@ -194,16 +206,13 @@ def _run_function(client: RendezvousClient, spec: TaskSpec, slot: SlotInfo) -> b
                                           f"that cannot be pickled ({exc}); return something picklable"),
                                 traceback.format_exc())
     finally:
-        _stop_hora()
-        sys.stdout, sys.stderr = saved_streams
-        if shipper is not None:
-            shipper.close()
+        forget_hora()
         os.environ.clear()
         os.environ.update(saved_env)
         sys.path[:] = saved_path
 
 
-def _stop_hora() -> None:
+def forget_hora() -> None:
     """Shut hora down and forget this job: Spark may hand the process a task of another job next."""
     basics = sys.modules.get("hora.basics")
     if basics is not None:
