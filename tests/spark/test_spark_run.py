@@ -18,13 +18,6 @@ import hora  # noqa: E402
 import hora.spark  # noqa: E402
 from hora.errors import ConfigError, LaunchError  # noqa: E402
 from hora.runner.run_args import UnsupportedOption  # noqa: E402
-from spark_testing import LOCAL, spark_session  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def spark():
-    with spark_session(LOCAL) as session:
-        yield session
 
 
 def _identity() -> dict:
