@@ -121,3 +121,22 @@ def test_the_estimator_is_a_pipeline_stage_on_assembled_vector_features(spark, d
     fitted.write().overwrite().save(path)
     again = PipelineModel.load(path).transform(wide.limit(20)).collect()
     assert np.allclose([r["label__output"] for r in rows], [r["label__output"] for r in again])
+
+
+def test_the_pipeline_example_reaches_90_percent_on_held_out_digits(spark, monkeypatch, capsys):
+    import importlib
+    import os
+    import re
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.syspath_prepend(os.path.join(root, "examples", "spark"))
+    try:
+        example = importlib.import_module("pytorch_spark_mnist")
+        accuracy = example.main(["--num-proc", "2", "--epochs", "10"])
+    finally:
+        sys.modules.pop("pytorch_spark_mnist", None)
+    printed = capsys.readouterr().out
+    assert re.search(r"TorchEstimator: 10 epoch\(s\) on 2 process\(es\) in [0-9.]+ s; validation accuracy", printed)
+    assert "[0]<stdout>:epoch 10/10:" in printed  # rank 0's per-epoch lines came back to the driver
+    assert accuracy >= 0.90

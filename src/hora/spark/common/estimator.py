@@ -136,6 +136,24 @@ class HoraModel(Model, ModelParams, MLWritable, MLReadable):
         self._set(model=payload["model"], history=payload["history"])
 
 
+def import_path() -> list[str]:
+    """This process's import path, for code that unpickles the user's classes in an executor
+    (a model class defined in the driver's script or package must import there too)."""
+    import sys
+
+    return [entry for entry in sys.path if isinstance(entry, str)]
+
+
+def extend_import_path(entries: list[str]) -> None:
+    """Add the driver's import path (from :func:`import_path`) after this process's own; entries
+    missing on this machine change nothing."""
+    import sys
+
+    for entry in entries:
+        if entry not in sys.path:
+            sys.path.append(entry)
+
+
 class _ModelWriter(MLWriter):
     def __init__(self, instance: HoraModel) -> None:
         super().__init__()

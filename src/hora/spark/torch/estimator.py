@@ -25,7 +25,7 @@ import cloudpickle
 import numpy as np
 
 from hora.errors import ConfigError
-from hora.spark.common.estimator import HoraEstimator, HoraModel, TrainingJob
+from hora.spark.common.estimator import HoraEstimator, HoraModel, TrainingJob, extend_import_path, import_path
 from hora.spark.common.params import _param, install_accessors
 
 logger = logging.getLogger(__name__)
@@ -252,6 +252,7 @@ class TorchModel(HoraModel):
         outputs = self.getOutputCols()
         shapes = self.getOrDefault(self.input_shapes)
         model_blob = cloudpickle.dumps(self.getOrDefault(self.model))
+        paths = import_path()
         vectors = _vector_columns(df, features)
         prepared = df
         if vectors:
@@ -267,6 +268,7 @@ class TorchModel(HoraModel):
         def predict(batches: Any) -> Any:
             import torch
 
+            extend_import_path(paths)
             model = cloudpickle.loads(model_blob)
             model.eval()
             for batch in batches:
