@@ -208,3 +208,19 @@ def test_elastic_recovery_benchmark_measures_a_kill_and_the_resumed_step() -> No
     # Each phase follows the one before it, on the survivors' clock against the killed worker's.
     assert 0 < row["detect"] and 0 < row["reform"] and 0 < row["resume"], row
     assert row["total"] == pytest.approx(row["detect"] + row["reform"] + row["resume"], rel=1e-6), row
+
+
+@pytest.mark.timeout(300)
+def test_spark_estimator_benchmark_times_fit_and_the_same_training_under_hora_run() -> None:
+    pytest.importorskip("pyspark")
+    pytest.importorskip("sklearn")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "spark_estimator.py"), "--epochs", "1", "--json"],
+        capture_output=True, text=True, timeout=280, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, proc.stdout
+    row = rows[0]
+    assert row["same_history"] == 1.0, row  # the same function on the same data in both places
+    assert all(row[key] > 0 for key in ("fit_s", "write_s", "spark_train_s", "hora_run_train_s")), row
