@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -33,6 +34,9 @@ from pyspark.sql import SparkSession
 
 from hora.spark.common.store import Store
 from hora.spark.torch import TorchEstimator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spark_digits import digits_frame, held_out_accuracy, pixel_columns  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -62,15 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def digits_frame(spark: SparkSession):
-    """The digits as a DataFrame: 64 pixel columns p0..p63 (0-1) and an integer label."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    rows = [tuple(float(v) / 16.0 for v in x) + (int(y),) for x, y in zip(data.data, data.target)]
-    return spark.createDataFrame(rows, [f"p{i}" for i in range(64)] + ["label"])
-
-
 def main(argv=None) -> float:
     args = parse_args(argv)
     spark = (SparkSession.builder.master(args.master or f"local[{args.num_proc}]")
@@ -86,17 +81,15 @@ def main(argv=None) -> float:
             loss=torch.nn.functional.cross_entropy, metrics=[accuracy], feature_cols=["features"],
             label_cols=["label"], validation=0.2, batch_size=args.batch_size, epochs=args.epochs, store=store,
             random_seed=42, verbose=1)
-        assembler = VectorAssembler(inputCols=[f"p{i}" for i in range(64)], outputCol="features")
+        assembler = VectorAssembler(inputCols=pixel_columns(), outputCol="features")
         began = time.perf_counter()
         fitted = Pipeline(stages=[assembler, estimator]).fit(train_df)
         fit_seconds = time.perf_counter() - began
     history = fitted.stages[-1].getHistory()
-    predictions = fitted.transform(test_df).select("label", "label__output").collect()
-    hits = sum(int(max(range(10), key=lambda k: row["label__output"][k]) == row["label"]) for row in predictions)
-    test_accuracy = hits / len(predictions)
+    test_accuracy, held_out = held_out_accuracy(fitted, test_df)
     print(f"TorchEstimator: {args.epochs} epoch(s) on {args.num_proc} process(es) in {fit_seconds:.1f} s; "
           f"validation accuracy {100.0 * history['val_accuracy'][-1]:.2f}%, test accuracy "
-          f"{100.0 * test_accuracy:.2f}% on {len(predictions)} held-out rows", flush=True)
+          f"{100.0 * test_accuracy:.2f}% on {held_out} held-out rows", flush=True)
     return test_accuracy
 
 

@@ -48,3 +48,17 @@ def spark_session(master: str = LOCAL, **conf: str) -> Iterator[Any]:
         finally:
             session.stop()
     del pyspark
+
+
+def run_example(module: str, argv: list[str], monkeypatch: Any) -> Any:
+    """``main(argv)`` of ``examples/spark/<module>.py``, imported as the examples run (their folder
+    on the path); the module is forgotten afterwards so the next test imports it afresh."""
+    import importlib
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.syspath_prepend(os.path.join(root, "examples", "spark"))
+    try:
+        return importlib.import_module(module).main(argv)
+    finally:
+        sys.modules.pop(module, None)
+        sys.modules.pop("spark_digits", None)

@@ -7,6 +7,8 @@ one store and run_id keep their data apart.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -124,18 +126,9 @@ def test_the_estimator_is_a_pipeline_stage_on_assembled_vector_features(spark, d
 
 
 def test_the_pipeline_example_reaches_90_percent_on_held_out_digits(spark, monkeypatch, capsys):
-    import importlib
-    import os
-    import re
-    import sys
+    from spark_testing import run_example
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    monkeypatch.syspath_prepend(os.path.join(root, "examples", "spark"))
-    try:
-        example = importlib.import_module("pytorch_spark_mnist")
-        accuracy = example.main(["--num-proc", "2", "--epochs", "10"])
-    finally:
-        sys.modules.pop("pytorch_spark_mnist", None)
+    accuracy = run_example("pytorch_spark_mnist", ["--num-proc", "2", "--epochs", "10"], monkeypatch)
     printed = capsys.readouterr().out
     assert re.search(r"TorchEstimator: 10 epoch\(s\) on 2 process\(es\) in [0-9.]+ s; validation accuracy", printed)
     assert "[0]<stdout>:epoch 10/10:" in printed  # rank 0's per-epoch lines came back to the driver

@@ -29,7 +29,8 @@ class EstimatorParams(Params):
     feature_cols = _param("feature_cols", "feature column names", TypeConverters.toListString)
     label_cols = _param("label_cols", "label column names", TypeConverters.toListString)
     sample_weight_col = _param("sample_weight_col", "optional column of sample weights")
-    input_shapes = _param("input_shapes", "the shape each feature column is reshaped to, per column")
+    input_shapes = _param("input_shapes", "per feature column, the shape of a batch of it ([-1, 1, 8, 8]: -1 for "
+                                          "the batch); Keras also takes one row's shape ([1, 8, 8])")
     validation = _param("validation", "a fraction of rows (0-1), or a column whose true rows are for validation")
     batch_size = _param("batch_size", "rows per batch, per process", TypeConverters.toInt)
     val_batch_size = _param("val_batch_size", "rows per validation batch, per process (default: batch_size)")
@@ -51,10 +52,11 @@ class EstimatorParams(Params):
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(num_proc=None, model=None, optimizer=None, loss=None, metrics=[], feature_cols=None,
+        # No shared mutable defaults: metrics and callbacks default to None (no metrics, no callbacks).
+        self._setDefault(num_proc=None, model=None, optimizer=None, loss=None, metrics=None, feature_cols=None,
                          label_cols=None, sample_weight_col=None, input_shapes=None, validation=None,
                          batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
-                         validation_steps_per_epoch=None, callbacks=[], store=None, run_id=None, shuffle=True,
+                         validation_steps_per_epoch=None, callbacks=None, store=None, run_id=None, shuffle=True,
                          shuffle_buffer_size=None, random_seed=None, transformation_fn=None, verbose=1,
                          partitions_per_process=10, keep_intermediate_data=False)
 

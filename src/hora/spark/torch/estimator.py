@@ -181,9 +181,9 @@ class _Trainer:
                 callback(epoch, dict(record))
             if hvd.rank() == 0 and job.store.saving_runs():
                 self._checkpoint(model, optimizer, epoch)
-                if job.verbose:
-                    shown = ", ".join(f"{name} {value:.4f}" for name, value in record.items())
-                    print(f"epoch {epoch + 1}/{job.epochs}: {shown} ({time.perf_counter() - began:.1f} s)", flush=True)
+            if hvd.rank() == 0 and job.verbose:
+                shown = ", ".join(f"{name} {value:.4f}" for name, value in record.items())
+                print(f"epoch {epoch + 1}/{job.epochs}: {shown} ({time.perf_counter() - began:.1f} s)", flush=True)
         return (model, history) if hvd.rank() == 0 else (None, history)
 
     def _epoch(self, model: Any, optimizer: Any, batches: Any, steps: int, training: bool) -> dict[str, float]:
