@@ -7,6 +7,7 @@ one store and run_id keep their data apart.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -60,6 +61,10 @@ def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(spark
     model = _estimator(store).fit(digits)
     history = model.getHistory()
     assert len(history["loss"]) == 10 and len(history["val_accuracy"]) == 10
+    run_id = model.getOrDefault(model.run_id)
+    logged = json.loads(store.read(f"{store.get_logs_path(run_id)}/history.json"))
+    assert logged == history  # the run's logs in the store hold the same history
+    assert store.exists(f"{store.get_checkpoint_path(run_id)}/{store.get_checkpoint_filename()}")
     assert history["val_accuracy"][-1] >= 0.90, history
     assert history["loss"][-1] < history["loss"][0]
     predicted = model.transform(digits).collect()

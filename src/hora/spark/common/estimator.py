@@ -8,8 +8,9 @@
    estimators sharing a store and ``run_id`` never read each other's rows;
 3. runs the framework's training function on ``num_proc`` Spark tasks through :func:`hora.spark.run`
    (each reads its share of the row groups with pyarrow through a shuffle buffer);
-4. removes the Parquet copy unless ``keep_intermediate_data``, and returns the framework's Model,
-   which carries the trained model and the per-epoch history (``getHistory()``).
+4. removes the Parquet copy unless ``keep_intermediate_data``, writes the per-epoch history to the
+   run's logs in the store (``<runs>/<run_id>/logs/history.json``), and returns the framework's
+   Model, which carries the trained model and that history (``getHistory()``).
 
 Models persist with Spark ML's ``write().save(path)`` / ``Model.load(path)``: Spark's own metadata
 file (class, uid, the JSON-able params) and the pickled model and history beside it, written
@@ -90,7 +91,23 @@ class HoraEstimator(Estimator, EstimatorParams):
             if not self.getOrDefault(self.keep_intermediate_data):
                 store.remove_data(index)
         trained, history = results[0]
+        _write_history(store, run_id, history)
         return self._model(trained, history, job)
+
+
+def _write_history(store: Store, run_id: str, history: dict) -> None:
+    """The run's per-epoch metrics as JSON in its logs folder of the store (when the store keeps
+    runs), beside the checkpoints: what ``getHistory()`` returns, readable without Spark."""
+    import json
+
+    if not store.saving_runs():
+        return
+    try:
+        text = json.dumps({name: [float(v) for v in values] for name, values in history.items()}, indent=1)
+    except (TypeError, ValueError) as exc:  # a framework metric that is not a number: keep the fit
+        logger.warning("the history of run %s was not written to the store: %s", run_id, exc)
+        return
+    store.write_text(f"{store.get_logs_path(run_id)}/history.json", text)
 
 
 class TrainingJob:
