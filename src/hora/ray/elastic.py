@@ -39,7 +39,7 @@ import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hora import config
-from hora.errors import ConfigError, HoraError, LaunchError
+from hora.errors import ConfigError, LaunchError
 from hora.ray import ray_logger
 from hora.ray.failures import first_line, lost_reason, remote_exception
 from hora.ray.placement import WorkerResources
@@ -488,19 +488,10 @@ def run_elastic_job(options: ElasticRayOptions, fn: Callable[..., Any], args: Se
 def _results(outcome: ElasticOutcome, launcher: RayActorLauncher) -> list[Any]:
     """The final world's results in rank order, or the exception standing for the job's failure."""
     by_number = {worker.number: worker for worker in launcher.workers}
-    if outcome.failure is None and outcome.error is None and outcome.signal is None:
-        size = outcome.world.size if outcome.world is not None else 0
-        by_rank: dict[int, Any] = {}
-        for number in outcome.final_workers:
-            worker = by_number.get(number)
-            if worker is not None and worker.result is not None:
-                rank = worker.result.rank if worker.result.rank is not None else worker.first_rank
-                by_rank[rank] = worker.result.value
-        missing = [rank for rank in range(size) if rank not in by_rank]
-        if not missing:
-            return [by_rank[rank] for rank in range(size)]
-        raise HoraError(f"hora.ray: the job ended but ranks {missing} of the final world ({size} ranks) "
-                        "returned no result")
+    if outcome.succeeded:
+        return outcome.final_results(
+            {w.number: (w.result.rank if w.result.rank is not None else w.first_rank, w.result.value)
+             for w in launcher.workers if w.result is not None}, "hora.ray")
     failed = by_number.get(outcome.failure_worker) if outcome.failure_worker is not None else None
     if failed is not None and failed.error is not None:
         # The job was finishing when this worker raised: its exception is the job's failure.

@@ -38,11 +38,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from hora import config
 from hora.elastic.notification import HostsUpdate, announce_hosts_update, read_hosts_update
-from hora.errors import ConfigError, LaunchError
+from hora.errors import ConfigError, HoraError, LaunchError
 from hora.rendezvous import KeyValueStore
 from hora.rendezvous.rounds import Round
 from hora.runner.discovery import DiscoveryError, HostDiscovery
@@ -197,6 +197,23 @@ class ElasticOutcome(JobOutcome):
     failure_worker: int | None = None
     # Seconds from a failure being seen to the next world forming, one per failure-driven reset.
     recovery_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.failure is None and self.error is None and self.signal is None
+
+    def final_results(self, returned: Mapping[int, tuple[int, Any]], where: str) -> list[Any]:
+        """Each rank's result of the final world, in rank order, from ``returned``: worker number ->
+        (rank it ended with, value) for the workers that returned one. Only the final world's
+        workers count, so a worker that left or finished in an older round cannot stand in for a
+        rank; :class:`HoraError` names the ranks that returned nothing."""
+        size = self.world.size if self.world is not None else 0
+        by_rank = {returned[number][0]: returned[number][1] for number in self.final_workers if number in returned}
+        missing = [rank for rank in range(size) if rank not in by_rank]
+        if missing:
+            raise HoraError(f"{where}: the job ended but ranks {missing} of the final world ({size} ranks) "
+                            "returned no result")
+        return [by_rank[rank] for rank in range(size)]
 
     @property
     def exit_code(self) -> int:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 import cloudpickle
 
 from hora import config
-from hora.errors import ConfigError, HoraError, LaunchError
+from hora.errors import ConfigError, LaunchError
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
 from hora.runner.api import raise_remote
 from hora.runner.discovery import HostSlots
@@ -326,17 +326,10 @@ class _AgentJob:
 def _results(where: str, outcome: ElasticOutcome, launcher: SparkAgentLauncher) -> list[Any]:
     """The final world's results in rank order, or the exception standing for the failure."""
     by_number = {worker.number: worker for worker in launcher.workers}
-    if outcome.failure is None and outcome.error is None and outcome.signal is None:
-        size = outcome.world.size if outcome.world is not None else 0
-        by_rank: dict[int, Any] = {}
-        for number in outcome.final_workers:
-            worker = by_number.get(number)
-            if worker is not None and worker.succeeded:
-                by_rank[worker.rank if worker.rank is not None else worker.first_rank] = worker.result
-        missing = [rank for rank in range(size) if rank not in by_rank]
-        if missing:
-            raise HoraError(f"{where}: the job ended but ranks {missing} of the final world returned no result")
-        return [by_rank[rank] for rank in range(size)]
+    if outcome.succeeded:
+        return outcome.final_results(
+            {w.number: (w.rank if w.rank is not None else w.first_rank, w.result)
+             for w in launcher.workers if w.succeeded}, where)
     failed = by_number.get(outcome.failure_worker) if outcome.failure_worker is not None else None
     if failed is not None and failed.error_blob is not None:
         _raise_worker_error(failed, outcome.size)  # the job was finishing when this worker raised
