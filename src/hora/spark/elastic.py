@@ -19,12 +19,13 @@ is a new host, used at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
 import cloudpickle
 
@@ -222,7 +223,8 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
     lost executor's workers are lost and the world re-forms without them; Spark's new attempts of
     their tasks join again. ``start_timeout`` bounds each worker's wait for its peers,
     ``elastic_timeout`` (default 600 s) the wait for ``min_num_proc`` workers or for a round to form,
-    ``reset_limit`` how often the world may re-form. When the job cannot go on, the call raises
+    ``reset_limit`` how often the world may re-form. ``verbose=0`` keeps the driver's per-round
+    lines (logged at INFO) out, leaving its warnings. When the job cannot go on, the call raises
     :class:`hora.errors.LaunchError` naming the bound, with the last exception a worker raised as its
     cause; a worker that raises after training finished on another fails the call with that exception.
     """
@@ -253,7 +255,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
     secret = new_secret()
     server = RendezvousServer(secret, host=host, port=0).start()
     context = JobContext.fresh(*server.address, secret=secret)
-    job = _AgentJob(sc, context, high, nic_tuple, verbose)
+    job = _AgentJob(sc, context, high, nic_tuple)
     relay = OutputRelay(stdout, stderr, prefix_output_with_timestamp)
     stop_relay = threading.Event()
 
@@ -272,7 +274,8 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
         # Workers wait for their peers at least as long as the driver waits for a round to form.
         env_timeout = max(timeout, settings.elastic_timeout)
         launcher.extra_env.update(config.env_for("start_timeout", env_timeout))
-        outcome = ElasticDriver(launcher, discovery, settings).run()
+        with _quiet_driver(verbose < 1):
+            outcome = ElasticDriver(launcher, discovery, settings).run()
     finally:
         server.store.set(agents.END_KEY, b"1")
         job.stop()
@@ -286,10 +289,24 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
     return _results(where, outcome, launcher)
 
 
+@contextlib.contextmanager
+def _quiet_driver(quiet: bool) -> Iterator[None]:
+    """``verbose=0``: the driver's per-round lines (INFO) are left out for this call, its warnings
+    kept; otherwise the logging configuration decides, as for ``hora run``."""
+    driver_logger = logging.getLogger("hora.runner.elastic_driver")
+    saved = driver_logger.level
+    if quiet:
+        driver_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        driver_logger.setLevel(saved)
+
+
 class _AgentJob:
     """The background Spark job whose tasks are the agents."""
 
-    def __init__(self, sc: Any, context: JobContext, count: int, nics: tuple[str, ...] | None, verbose: int) -> None:
+    def __init__(self, sc: Any, context: JobContext, count: int, nics: tuple[str, ...] | None) -> None:
         self.sc = sc
         self.context = context
         self.count = count
