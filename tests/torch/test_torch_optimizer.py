@@ -464,8 +464,42 @@ def _job() -> list:
                 "has_momentum": all("momentum_buffer" in v for v in saved_opt["state"].values()),
                 "lr": opt2.param_groups[0]["lr"], "continued": continued, "resumed": resumed}
 
+    def closure_steps(make_opt, prefix, steps=STEPS):
+        # step(closure): the closure's own gradients are the ones averaged and applied. L-BFGS calls
+        # the closure several times a step and decides from its loss, so each call must see the
+        # averaged gradients and the averaged (whole-batch) loss.
+        def run(opt, model, rows_of):
+            losses = []
+            for s in range(steps):
+                x, y = rows_of(s)
+
+                def closure():
+                    opt.zero_grad()
+                    loss = mse(model, x, y)
+                    loss.backward()
+                    return loss
+                losses.append(float(opt.step(closure)))
+            return weights(model), losses
+
+        def section():
+            model = make_model()
+            opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=named(model, prefix))
+            w, losses = run(opt, model, shard)
+            out = {"weights": w, "losses": losses}
+            if r == 0:
+                ref_model = make_model()
+                out["reference"], out["reference_losses"] = run(make_opt(ref_model.parameters()), ref_model, data)
+            return out
+        return section
+
+    def lbfgs(params):
+        return torch.optim.LBFGS(params, lr=0.5, max_iter=4, history_size=5)
+
     return [
         ("equivalence.sgd", equivalence(sgd, "eq.sgd")),
+        ("closure.sgd", closure_steps(sgd, "closure.sgd")),
+        ("closure.adam", closure_steps(adam, "closure.adam")),
+        ("closure.lbfgs", closure_steps(lbfgs, "closure.lbfgs", steps=5)),
         ("equivalence.adam", equivalence(adam, "eq.adam")),
         ("equivalence.fp16", equivalence(sgd, "eq.fp16", compression=hvd.Compression.fp16)),
         ("fp16.gradients", fp16_gradients),
@@ -530,6 +564,15 @@ def test_two_workers_match_one_worker_2ranks(ranks2, section):
 
 
 # ---- (b) local gradient aggregation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("section", ["closure.sgd", "closure.adam", "closure.lbfgs"])
+def test_step_with_closure_averages_the_closures_gradients_2ranks(ranks2, section):
+    """Horovod averages before running the closure; hora runs it, then averages, then steps."""
+    assert_ranks_agree_and_match_reference(ranks2, section)
+    ranks = ranks2.all(section)
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the returned loss is the ranks' average
+    assert ranks[0]["losses"] == pytest.approx(ranks[0]["reference_losses"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("section", ["bpps.2", "bpps.4", "bpps.setter"])

@@ -350,10 +350,11 @@ class HoraStrategy(ParallelStrategy):
         """Let the optimizer run Lightning's closure (training step and backward), average the
         gradients right after it, then step on the averages.
 
-        A DistributedOptimizer's own ``step(closure)`` would synchronize *before* evaluating the
-        closure, i.e. before the backward pass that produces this step's gradients. Here the
-        reduction happens inside the closure, ahead of Lightning's ``on_before_optimizer_step`` hooks
-        and gradient clipping (which then see averaged gradients), and the step itself skips it.
+        Lightning's precision plugin wraps the closure so that ``on_before_optimizer_step`` and
+        gradient clipping run inside it, right after backward; a DistributedOptimizer's own
+        ``step(closure)`` averages only when the closure returns, so those hooks would see local
+        gradients. Here the reduction happens inside the closure, ahead of them, and the step
+        itself skips it.
         """
         hora_optimizer = _unwrap(optimizer)
         if not isinstance(hora_optimizer, _DistributedOptimizer):

@@ -225,15 +225,42 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized:
-                # The text begins as Horovod's does: scripts filter this warning by it.
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(): every gradient is reduced a second time. Wrap step() in "
-                              "`with optimizer.skip_synchronize():` after an explicit synchronize().", stacklevel=2)
-            self.synchronize()
+        """Average the gradients, then step.
+
+        With a ``closure`` (the loss and its backward pass), the closure runs first and its gradients
+        are then averaged; Horovod averages before calling it, so its step uses the previous pass's
+        averages and leaves the closure's own gradients unaveraged. Each closure call the wrapped
+        optimizer makes (L-BFGS makes several) averages that call's gradients, and a scalar tensor
+        loss is averaged too, so that every rank's optimizer takes the same decisions from it.
+        """
+        if not self._should_synchronize:
+            self._synchronized = False
+            return super().step(closure)
+        if closure is not None:
+            return self._step_with_closure(closure)
+        if self._synchronized:
+            # The text begins as Horovod's does: scripts filter this warning by it.
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(): every gradient is reduced a second time. Wrap step() in "
+                          "`with optimizer.skip_synchronize():` after an explicit synchronize().", stacklevel=2)
+        self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        return super().step()
+
+    def _step_with_closure(self, closure):
+        def averaged_closure():
+            with torch.enable_grad():
+                loss = closure()
+            self.synchronize()
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not self._excluded:
+                name = f"{self._names[self._requires_update[0]]}.closure_loss" if self._requires_update else \
+                    "DistributedOptimizer.closure_loss"
+                loss = mpi_ops.allreduce(loss.detach(), name=name, op=Average,
+                                         process_set=self._reduction.process_set)
+            return loss
+
+        self._synchronized = False
+        return super().step(averaged_closure)
 
     def zero_grad(self, set_to_none: bool = True):
         # Pending reductions, or gradients of a step part-way through local accumulation (the
