@@ -26,6 +26,7 @@ commands:
   run     start N workers of a command:  hora run -np 4 python train.py
   check   show hora's version, transports, frameworks and configuration
   bench   run hora's benchmarks:          hora bench --help
+  timeline  summarise a timeline:         hora timeline trace.json [--plot out.png]
 
 `hora <command> --help` describes each command's options.
 """
@@ -54,7 +55,10 @@ def _dispatch(args: list[str]) -> int:
         return check_main(rest)
     if command == "bench":
         return bench_main(rest)
-    print(f"hora: error: unknown command {command!r} (choose from run, check, bench)", file=sys.stderr)
+    if command == "timeline":
+        from hora.timeline_report import main as timeline_main
+        return timeline_main(rest)
+    print(f"hora: error: unknown command {command!r} (choose from run, check, bench, timeline)", file=sys.stderr)
     sys.stderr.write(USAGE)
     return 2
 

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
+#: Bits from _ARRIVAL_SHIFT up of the OR-ed flags word say which members readied cached tensors since
+#: the last cycle: the timeline names the late arrivals of cache-served negotiations from them (for
+#: the first 56 members of a set; name-negotiated rounds name every rank).
+_ARRIVAL_SHIFT = 8
+_ARRIVAL_MEMBERS = 64 - _ARRIVAL_SHIFT
 _WORD = (1 << 64) - 1
 _NEVER_CACHED = frozenset((Kind.JOIN, Kind.BARRIER)) | PROCESS_SET_KINDS
 _BURST_GAP_S = 20e-6
@@ -109,6 +114,7 @@ class SetState:
     joined: tuple[int, ...] = ()
     last_round: float = 0.0
     control: np.ndarray = field(default_factory=lambda: np.zeros(3, np.uint64))  # see _exchange_control
+    arrived: bool = False  # this member readied cached tensors since the last control exchange
 
 
 class Engine:
@@ -521,6 +527,7 @@ class Engine:
             status, bit = lookup(request.name, request.signature)
             if status is Lookup.HIT:
                 by_bit[bit] = request
+                state.arrived = True
             else:
                 if status is Lookup.INVALID:
                     state.invalid.add(bit)
@@ -556,6 +563,10 @@ class Engine:
             flags |= _FLAG_UNCACHED
         if self._stop_requested:
             flags |= _FLAG_SHUTDOWN
+        if state.arrived:
+            state.arrived = False
+            if state.comm.rank < _ARRIVAL_MEMBERS:
+                flags |= 1 << (_ARRIVAL_SHIFT + state.comm.rank)
         ready_mask = 0
         for bit in state.by_bit:
             ready_mask |= 1 << bit
@@ -589,6 +600,8 @@ class Engine:
         if items:
             for item in items:
                 cache.touch(item.response.name)
+            if self.timeline is not None and state.set_id == 0:
+                self._trace_cached_negotiation(state, items, flags_any)
             self._execute(state, items)
             self._progress = True
         self._idle_cycles = 0 if self._progress or self._has_work() else self._idle_cycles + 1
@@ -596,6 +609,17 @@ class Engine:
         if flags_any & _FLAG_UNCACHED:
             return self._negotiate(state, now)
         return False
+
+    def _trace_cached_negotiation(self, state: SetState, items: list[Item], flags_any: int) -> None:
+        """Give cache-served tensors the negotiation span name-negotiated ones get: from this rank's
+        submission to now, with the members that readied tensors this cycle marked as arriving now
+        (the late ones, when this rank had been waiting)."""
+        arrived = flags_any >> _ARRIVAL_SHIFT
+        late = [state.members[m] for m in range(min(len(state.members), _ARRIVAL_MEMBERS)) if arrived >> m & 1]
+        for item in items:
+            request = item.request
+            self.timeline.cached_negotiation(request.name, request.signature.kind.value, request.submitted_at,
+                                             state.members[state.comm.rank], late, len(state.members))
 
     def _negotiate(self, state: SetState, now: float) -> bool:
         self.negotiation_rounds += 1

@@ -80,6 +80,25 @@ class Timeline:
     def negotiate_end(self, name: str, kind: str) -> None:
         self._emit(name, "E", f"NEGOTIATE_{kind}")
 
+    def cached_negotiation(self, name: str, kind: str, since: float, own_rank: int, late: list[int],
+                           members: int) -> None:
+        """A negotiation the response cache served: ``NEGOTIATE_<kind>`` from ``since`` (this rank's
+        submission, a ``time.monotonic()`` reading) to now, this rank marked ready at ``since`` and
+        the ``late`` ranks (those that readied cached tensors in the deciding cycle) at its end."""
+        if self.is_open(name, f"NEGOTIATE_{kind}"):
+            return
+        pid = self._pid(name)
+        begin = max(0, int((since - self._t0) * 1e6))
+        end = max(begin, self._now_us())
+        event = f"NEGOTIATE_{kind}"
+        self._queue.put({"name": event, "ph": "B", "ts": begin, "pid": pid, "tid": 0,
+                         "args": {"cached": True, "late": late, "members": members}})
+        self._queue.put({"name": str(own_rank), "ph": "i", "ts": begin, "pid": pid, "tid": 0, "s": "p"})
+        for rank in late:
+            if rank != own_rank:
+                self._queue.put({"name": str(rank), "ph": "i", "ts": end, "pid": pid, "tid": 0, "s": "p"})
+        self._queue.put({"name": event, "ph": "E", "ts": end, "pid": pid, "tid": 0})
+
     def start(self, name: str, kind: str) -> None:
         self._emit(name, "B", kind)
 

@@ -1,0 +1,336 @@
+"""``hora timeline TRACE``: where a job's collective time went, read from its Chrome-trace timeline.
+
+The trace (written by rank 0, see ``hora.engine.timeline``) holds, per tensor, a negotiation span
+with a mark per rank as each reported the tensor ready, then the operation's span with its queue,
+fusion-copy and transport activities nested inside. A perfectly balanced job spends almost nothing
+in negotiation; time there is time the ranks waited for each other, and the rank that keeps
+arriving last is the straggler the summary names. Fused tensors share one transport run, so the
+totals are wall-clock unions of each phase's intervals, not sums over tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from hora.engine.request import Kind
+
+#: The share of last arrivals that makes a rank the straggler (see TimelineSummary.straggler).
+STRAGGLER_SHARE = 0.75
+PHASES = ("negotiation", "queue", "fusion copies", "communication")
+_COPIES = ("MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER")
+_OPERATIONS = frozenset(kind.value for kind in Kind)
+
+
+@dataclass
+class TensorTimes:
+    """Per-tensor microseconds in each phase and the number of operations seen."""
+
+    name: str
+    ops: int = 0
+    phase_us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def total_us(self) -> float:
+        return sum(self.phase_us.values())
+
+
+@dataclass
+class RankWaits:
+    """How often a rank arrived last to a negotiation and how long rank 0 saw the others wait."""
+
+    last_arrivals: int = 0
+    waited_for_us: float = 0.0
+
+
+@dataclass
+class TimelineSummary:
+    tensors: dict[str, TensorTimes]
+    phase_wall_us: dict[str, float]
+    span_us: float
+    negotiations: int
+    decided: int  # negotiations in which a single group of late ranks could be told apart
+    ranks: dict[int, RankWaits]
+    #: Each step's wall-clock microseconds per phase. Steps start where the tensor operated on most
+    #: often (once a step in a training loop) starts an operation.
+    steps: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def most_often_last(self) -> tuple[int, float] | None:
+        """The rank that arrived last most often and its share of the negotiations that could tell
+        (ties: the one waited for longest)."""
+        if not self.ranks or self.decided == 0:
+            return None
+        rank, waits = max(self.ranks.items(), key=lambda kv: (kv[1].last_arrivals, kv[1].waited_for_us))
+        return rank, waits.last_arrivals / self.decided
+
+    @property
+    def straggler(self) -> int | None:
+        """The rank that arrived last in at least 3 of 4 negotiations that could tell: in a balanced
+        job the last arrival moves between ranks (about half each with 2 ranks)."""
+        found = self.most_often_last
+        return found[0] if found is not None and found[1] >= STRAGGLER_SHARE else None
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def load_events(path: str) -> list[dict]:
+    """The trace's events; a clear ``ValueError`` when the file is not a Chrome trace."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a JSON trace: {exc}") from None
+    if isinstance(data, dict):
+        data = data.get("traceEvents", [])
+    if not isinstance(data, list) or any(not isinstance(e, dict) for e in data):
+        raise ValueError(f"{path} is not a Chrome trace (expected a list of event objects)")
+    return data
+
+
+def _spans(events: Iterable[dict]) -> tuple[dict[int, str], list[tuple[int, str, float, float, dict, list]]]:
+    """Balanced (pid, event name) spans with their begin args and the rank marks inside them."""
+    names: dict[int, str] = {}
+    open_spans: dict[tuple[int, str], list[list]] = defaultdict(list)
+    marks: dict[int, list[tuple[float, str]]] = defaultdict(list)
+    spans = []
+    for e in events:
+        ph, pid = e.get("ph"), e.get("pid")
+        if ph == "M" and e.get("name") == "process_name":
+            names[pid] = str(e.get("args", {}).get("name", pid))
+        elif ph == "B":
+            open_spans[(pid, e["name"])].append([e["ts"], e.get("args") or {}, len(marks[pid])])
+        elif ph == "E":
+            stack = open_spans.get((pid, e["name"]))
+            if stack:
+                begin, args, first_mark = stack.pop()
+                inside = marks[pid][first_mark:] if e["name"].startswith("NEGOTIATE_") else []
+                spans.append((pid, e["name"], float(begin), float(e["ts"]), args, inside))
+        elif ph == "i" and e.get("s") == "p":
+            marks[pid].append((float(e["ts"]), e["name"]))
+    return names, spans
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for b, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(b, end)
+        end = e
+    return total
+
+
+def _late_ranks(begin: float, end: float, args: dict, inside: list) -> tuple[list[int], float]:
+    """The ranks that arrived last to one negotiation, and how long the earliest waited for them
+    (0.0 when the trace cannot tell how long)."""
+    if args.get("cached"):
+        late = [int(r) for r in args.get("late", [])]
+        members = int(args.get("members", 0))
+        if not late or len(late) >= members:
+            return [], 0.0  # everyone (or no one known) arrived in the deciding cycle
+        own = [int(n) for t, n in inside if t == begin]
+        waited = end - begin if own and own[0] not in late else 0.0
+        return late, waited
+    arrivals: dict[int, float] = {}
+    for t, rank in inside:
+        if rank.isdigit():
+            arrivals[int(rank)] = max(arrivals.get(int(rank), t), t)
+    if len(arrivals) < 2:
+        return [], 0.0
+    first, last = min(arrivals.values()), max(arrivals.values())
+    if last <= first:
+        return [], 0.0
+    return [r for r, t in arrivals.items() if t == last], last - first
+
+
+def summarize(events: Sequence[dict]) -> TimelineSummary:
+    names, spans = _spans(events)
+    tensors: dict[str, TensorTimes] = {}
+    intervals: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASES}
+    ranks: dict[int, RankWaits] = defaultdict(RankWaits)
+    by_pid: dict[int, list] = defaultdict(list)
+    op_begins: dict[str, list[float]] = defaultdict(list)
+    negotiations = decided = 0
+    lo, hi = float("inf"), float("-inf")
+    for span in spans:
+        by_pid[span[0]].append(span)
+    for pid, pid_spans in by_pid.items():
+        times = tensors.setdefault(names.get(pid, str(pid)), TensorTimes(names.get(pid, str(pid))))
+        for _, event, begin, end, args, inside in pid_spans:
+            lo, hi = min(lo, begin), max(hi, end)
+            if event.startswith("NEGOTIATE_"):
+                phase = "negotiation"
+                negotiations += 1
+                late, waited = _late_ranks(begin, end, args, inside)
+                if late:
+                    decided += 1
+                    for rank in late:
+                        ranks[rank].last_arrivals += 1
+                        ranks[rank].waited_for_us += waited
+            elif event == "QUEUE":
+                phase = "queue"
+            elif event in _COPIES:
+                phase = "fusion copies"
+            elif _is_operation(event):
+                times.ops += 1
+                op_begins[times.name].append(begin)
+                continue  # the operation's own span encloses its activities
+            else:
+                phase = "communication"
+            times.phase_us[phase] += end - begin
+            intervals[phase].append((begin, end))
+    return TimelineSummary(tensors=tensors, phase_wall_us={p: _union_us(v) for p, v in intervals.items()},
+                           span_us=max(0.0, hi - lo) if spans else 0.0, negotiations=negotiations,
+                           decided=decided, ranks=dict(ranks), steps=_steps(op_begins, intervals, hi))
+
+
+def _steps(op_begins: dict[str, list[float]], intervals: dict[str, list[tuple[float, float]]],
+           end: float) -> list[dict[str, float]]:
+    if not op_begins:
+        return []
+    _, marks = max(op_begins.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    marks = sorted(marks)
+    if len(marks) < 2:
+        return []
+    bounds = list(zip(marks, marks[1:] + [end]))
+    steps = []
+    for lo, hi in bounds:
+        steps.append({p: _union_us([(max(b, lo), min(e, hi)) for b, e in v if e > lo and b < hi])
+                      for p, v in intervals.items()})
+    return steps
+
+
+def _is_operation(event: str) -> bool:
+    """An operation's own span (ALLREDUCE, BROADCAST...; Horovod's traces name them the same way),
+    as opposed to the queue, copy and transport activities nested in it."""
+    return event in _OPERATIONS
+
+
+# ---- printing and plotting --------------------------------------------------------------------
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1000:.2f}"
+
+
+def format_summary(summary: TimelineSummary, top: int = 15) -> str:
+    lines = [f"timeline: {len(summary.tensors)} tensors, {summary.negotiations} negotiations, "
+             f"{_ms(summary.span_us)} ms traced"]
+    lines.append("")
+    lines.append("wall-clock time per phase (fused tensors counted once):")
+    for phase in PHASES:
+        share = summary.phase_wall_us[phase] / summary.span_us * 100 if summary.span_us else 0.0
+        lines.append(f"  {phase:<16}{_ms(summary.phase_wall_us[phase]):>12} ms {share:6.1f}%")
+    lines.append("")
+    lines.append(f"slowest tensors (of {len(summary.tensors)}), ms summed over their operations:")
+    header = f"  {'tensor':<44}{'ops':>5}" + "".join(f"{p:>15}" for p in PHASES)
+    lines.append(header)
+    for t in sorted(summary.tensors.values(), key=lambda t: -t.total_us)[:top]:
+        name = t.name if len(t.name) <= 42 else t.name[:20] + ".." + t.name[-20:]
+        lines.append(f"  {name:<44}{t.ops:>5}" + "".join(f"{_ms(t.phase_us[p]):>15}" for p in PHASES))
+    lines.append("")
+    lines.append("waiting for ranks (negotiations where some ranks arrived after the others):")
+    if not summary.decided:
+        lines.append("  none: every negotiation completed with all ranks arriving together")
+    for rank, waits in sorted(summary.ranks.items()):
+        lines.append(f"  rank {rank}: arrived last in {waits.last_arrivals} of {summary.decided}; "
+                     f"the others waited {_ms(waits.waited_for_us)} ms for it (as far as rank 0 can see)")
+    lines.append("")
+    straggler, found = summary.straggler, summary.most_often_last
+    if straggler is not None:
+        lines.append(f"straggler: rank {straggler} (last to arrive in {found[1]:.0%} of the "
+                     f"{summary.decided} negotiations that could tell)")
+    elif found is not None:
+        lines.append(f"straggler: none stands out (most often last: rank {found[0]}, {found[1]:.0%}; "
+                     f"a straggler is last in {STRAGGLER_SHARE:.0%} or more)")
+    else:
+        lines.append("straggler: none (no negotiation had late ranks)")
+    return "\n".join(lines)
+
+
+def plot_summary(summary: TimelineSummary, out_path: str, top: int = 15) -> None:
+    """A per-tensor phase breakdown and a per-rank waiting chart, in one PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'hora[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tensors = sorted(summary.tensors.values(), key=lambda t: -t.total_us)[:top]
+    fig, (steps_ax, left, right) = plt.subplots(
+        1, 3, figsize=(18, max(4, 0.35 * len(tensors) + 2)), gridspec_kw={"width_ratios": [2, 3, 1]})
+    _stacked_steps(steps_ax, summary.steps)
+    labels = [t.name if len(t.name) <= 40 else t.name[:18] + ".." + t.name[-18:] for t in tensors]
+    starts = [0.0] * len(tensors)
+    for phase in PHASES:
+        values = [t.phase_us[phase] / 1000 for t in tensors]
+        left.barh(labels, values, left=starts, label=phase)
+        starts = [s + v for s, v in zip(starts, values)]
+    left.invert_yaxis()
+    left.set_xlabel("ms (summed over the tensor's operations)")
+    left.set_title("where each tensor's time went")
+    left.legend(loc="lower right")
+    ranks = sorted(summary.ranks)
+    right.bar([str(r) for r in ranks], [summary.ranks[r].waited_for_us / 1000 for r in ranks], color="tab:red")
+    right.set_xlabel("rank")
+    right.set_ylabel("ms the others waited for it")
+    title = "waiting per rank"
+    if summary.straggler is not None:
+        title += f" (straggler: rank {summary.straggler})"
+    right.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+
+
+def _stacked_steps(ax, steps: list[dict[str, float]], most: int = 60) -> None:
+    """Per-step wall-clock time in each phase (an even sample of at most ``most`` steps)."""
+    if not steps:
+        ax.text(0.5, 0.5, "no repeated operation: no steps to show", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    picked = list(range(len(steps)))
+    if len(picked) > most:
+        picked = [round(i * (len(steps) - 1) / (most - 1)) for i in range(most)]
+    bottoms = [0.0] * len(picked)
+    for phase in PHASES:
+        values = [steps[i][phase] / 1000 for i in picked]
+        ax.bar([str(i + 1) for i in picked], values, bottom=bottoms, label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms of wall-clock time")
+    ax.set_title("step breakdown")
+    if len(picked) > 15:
+        ax.set_xticks(ax.get_xticks()[:: max(1, len(picked) // 10)])
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hora timeline",
+        description="Summarise a hora (or Horovod) timeline: time per tensor and phase, and the rank "
+                    "the others waited for.")
+    parser.add_argument("trace", help="the timeline file (--timeline-filename / HOROVOD_TIMELINE)")
+    parser.add_argument("--top", type=int, default=15, help="tensors to list (default 15)")
+    parser.add_argument("--plot", metavar="OUT.png", help="also draw the breakdown and the waiting chart")
+    args = parser.parse_args(list(argv))
+    try:
+        summary = summarize(load_events(args.trace))
+    except (OSError, ValueError) as exc:
+        print(f"hora timeline: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(summary, args.top))
+    if args.plot:
+        try:
+            plot_summary(summary, args.plot, args.top)
+        except RuntimeError as exc:
+            print(f"hora timeline: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}")
+    return 0
