@@ -18,13 +18,14 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from hora import config
+from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
-from hora.errors import HoraError
+from hora.errors import ConfigError, HoraError
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.rounds import Round, StaleRoundError
@@ -120,13 +121,30 @@ def engine_settings() -> EngineSettings:
     )
 
 
-def _warn_unbuilt_knobs() -> None:
-    """Knobs a Horovod job may set that hora does not act on yet: said once, not ignored silently."""
-    if config.get("autotune") or config.get("autotune_log"):
-        logger.warning("%s (or %s) is set, but hora has no autotuner yet: the fusion threshold (%d bytes) "
-                       "and cycle time (%s ms) stay as configured", config.knob("autotune").env,
-                       config.knob("autotune").alias,
-                       int(config.get("fusion_threshold")), config.get("cycle_time"))
+def autotune_config() -> AutotuneConfig | None:
+    """The autotuner's settings from the config table, or None when autotune is off. Knobs the user
+    set explicitly are held fixed, as Horovod holds them."""
+    if not config.get("autotune"):
+        if config.get("autotune_log") and config.is_set("autotune_log"):
+            logger.warning("%s is set but autotune is off (set %s=1): no autotune log is written",
+                           config.knob("autotune_log").env, config.knob("autotune").env)
+        return None
+    try:
+        import sklearn  # noqa: F401  (the Gaussian process)
+    except ImportError:
+        raise ConfigError(f"{config.knob('autotune').env} needs scikit-learn for its Gaussian process: "
+                          "pip install 'hora[autotune]'") from None
+    return AutotuneConfig(
+        warmup_samples=int(config.get("autotune_warmup_samples")),
+        steps_per_sample=max(1, int(config.get("autotune_steps_per_sample"))),
+        bayes_opt_max_samples=max(1, int(config.get("autotune_bayes_opt_max_samples"))),
+        gaussian_process_noise=float(config.get("autotune_gaussian_process_noise")),
+        log_file=config.get("autotune_log"),
+        fixed_fusion=config.is_set("fusion_threshold"),
+        fixed_cycle=config.is_set("cycle_time"),
+        fixed_cache=config.is_set("cache_capacity"),
+        fixed_hierarchical=config.is_set("hierarchical_allreduce"),
+    )
 
 
 def _set_log_level() -> None:
@@ -223,8 +241,7 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
                     world = None
                 previous = Joined(current, private=False, job=me.job_id)
         coordinates = _coordinates(world, topology, me)
-        if coordinates.rank == 0:
-            _warn_unbuilt_knobs()
+        tuning = autotune_config()
 
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:
             # Process-set members are ranks of this world (what hora.rank() returns); the set gets
@@ -236,6 +253,8 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
         if path and path.upper() != "DYNAMIC" and world.rank == 0:
             timeline = Timeline(path, bool(config.get("timeline_mark_cycles")))
         engine = Engine(world, engine_settings(), make_communicator, timeline)
+        if tuning is not None:
+            engine.enable_autotune(replace(tuning, log_file=tuning.log_file if world.rank == 0 else None))
     except BaseException:
         if timeline is not None:
             _quietly("closing the timeline", timeline.close)

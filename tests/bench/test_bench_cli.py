@@ -224,3 +224,17 @@ def test_spark_estimator_benchmark_times_fit_and_the_same_training_under_hora_ru
     row = rows[0]
     assert row["same_history"] == 1.0, row  # the same function on the same data in both places
     assert all(row[key] > 0 for key in ("fit_s", "write_s", "spark_train_s", "hora_run_train_s")), row
+
+
+@pytest.mark.timeout(150)
+def test_autotune_vs_grid_benchmark_tunes_and_compares() -> None:
+    pytest.importorskip("sklearn")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "autotune_vs_grid.py"), "--quick", "--steps", "3",
+         "--rounds", "1", "--json"],
+        capture_output=True, text=True, timeout=140, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert len(report["grid_mb_per_s"]) == 2 and report["autotune_log_rows"] == 4 + 1 + 1
+    assert report["tuned_mb_per_s"] > 0 and report["ratio_tuned_to_best"] > 0

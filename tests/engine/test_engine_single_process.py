@@ -292,10 +292,23 @@ def test_unnamed_collectives_never_share_a_name_and_count_again_after_a_join(sol
     assert after.endswith(".0") and after not in (upper, lower)  # a new epoch: no clash with older names
 
 
-def test_autotune_knob_says_it_is_not_built_instead_of_doing_nothing(uninitialised, monkeypatch, caplog):
+def test_autotune_knob_starts_the_autotuner_and_a_log_without_autotune_is_said(uninitialised, monkeypatch,
+                                                                              caplog, tmp_path):
     monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", str(8 * 1024 * 1024))  # set: held fixed
+    hora.init()
+    try:
+        tuner = basics.engine().autotuner
+        assert tuner is not None and tuner.active
+        assert tuner.config.fixed_fusion and not tuner.config.fixed_cycle
+        assert tuner.params.fusion_threshold_mb == 8.0
+    finally:
+        hora.shutdown()
+    monkeypatch.delenv("HOROVOD_AUTOTUNE")
+    monkeypatch.setenv("HOROVOD_AUTOTUNE_LOG", str(tmp_path / "log.csv"))
     with caplog.at_level("WARNING", logger="hora"):
         hora.init()
     hora.shutdown()
     said = [r.getMessage() for r in caplog.records if "autotune" in r.getMessage().lower()]
-    assert said and "no autotuner yet" in said[0], caplog.text
+    assert said and "autotune is off" in said[0], caplog.text
+    assert not (tmp_path / "log.csv").exists()

@@ -54,12 +54,6 @@ def test_every_horovodrun_option_is_known_to_hora_run():
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--autotune"], "--autotune: autotune is not built yet"),
-    (["--autotune-log-file", "a.csv"], "--autotune-log-file: only used by autotune, which is not built yet"),
-    (["--autotune-warmup-samples", "3"], "--autotune-warmup-samples: only used by autotune"),
-    (["--autotune-steps-per-sample", "5"], "--autotune-steps-per-sample: only used by autotune"),
-    (["--autotune-bayes-opt-max-samples", "9"], "--autotune-bayes-opt-max-samples: only used by"),
-    (["--autotune-gaussian-process-noise", "0.5"], "--autotune-gaussian-process-noise: only used by"),
     (["--slots-per-host", "2"], "--slots-per-host: only applies to elastic jobs"),
     (["--elastic-timeout", "60"], "--elastic-timeout: only applies to elastic jobs"),
     (["--reset-limit", "3"], "--reset-limit: only applies to elastic jobs"),
@@ -90,6 +84,11 @@ def test_flags_hora_cannot_honour_stop_with_one_line(capsys, flags, fragment):
     (["--hierarchical-allreduce"], {"HIERARCHICAL_ALLREDUCE": "1"}),
     (["--no-hierarchical-allreduce"], {"HIERARCHICAL_ALLREDUCE": "0"}),
     (["--no-autotune"], {"AUTOTUNE": "0"}),
+    (["--autotune", "--autotune-log-file", "a.csv", "--autotune-warmup-samples", "2",
+      "--autotune-steps-per-sample", "5", "--autotune-bayes-opt-max-samples", "9",
+      "--autotune-gaussian-process-noise", "0.5"],
+     {"AUTOTUNE": "1", "AUTOTUNE_LOG": "a.csv", "AUTOTUNE_WARMUP_SAMPLES": "2", "AUTOTUNE_STEPS_PER_SAMPLE": "5",
+      "AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "9", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}),
     (["--no-timeline-mark-cycles"], {"TIMELINE_MARK_CYCLES": "0"}),
     (["--stall-check"], {"STALL_CHECK_DISABLE": "0"}),
     (["--no-stall-check"], {"STALL_CHECK_DISABLE": "1"}),
@@ -211,7 +210,6 @@ def test_command_line_flags_win_over_the_config_file(tmp_path):
 
 @needs_yaml
 @pytest.mark.parametrize("text, fragment", [
-    ("autotune:\n  enabled: true\n", "autotune.enabled: autotune is not built yet"),
     ("controller: mpi\n", "controller: hora has no MPI controller yet"),
     ("controller: nccl\n", "controller: must be gloo or mpi, got 'nccl'"),
     ("params:\n  fusion_threshold_mb: lots\n", "params.fusion_threshold_mb: must be a non-negative number"),

@@ -31,13 +31,16 @@ class ResponseCache:
         #: One past the highest bit ever handed out. Identical on every member (the caches are), so
         #: the control vector need only carry this many bits.
         self.high_water = 0
+        #: Set by the autotuner while it tries the job without the cache (entries are kept, none is
+        #: added or used; every member sets it at the same cycle).
+        self.suspended = False
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def enabled(self) -> bool:
-        return self.capacity > 0
+        return self.capacity > 0 and not self.suspended
 
     def lookup(self, name: str, own: Signature) -> tuple[Lookup, int]:
         bit = self._entries.get(name)

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
 from hora.engine import request as request_module
 from hora.engine.request import PROCESS_SET_KINDS, Handle, Kind, Request, process_set_signature
+from hora.engine.autotune import AutotuneConfig, Autotuner, TuningParams
 from hora.engine.timeline import Timeline
 from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
@@ -157,6 +158,8 @@ class Engine:
         #: Negotiation rounds (name-based coordinator exchanges) this rank has taken part in, all
         #: process sets together. Steady state served by the response cache adds none.
         self.negotiation_rounds = 0
+        #: Set by enable_autotune(): tunes the knobs below while the job trains.
+        self.autotuner: Autotuner | None = None
         self._add_set(0, list(range(world.size)), world)
         self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
         self._thread.start()
@@ -178,6 +181,42 @@ class Engine:
         state.executor.before_complete = lambda items, state=state: self._finished(state, items)
         self._sets[set_id] = state
         self._states = tuple(self._sets[k] for k in sorted(self._sets))
+
+    def enable_autotune(self, config: AutotuneConfig) -> Autotuner:
+        """Start tuning (called on every rank right after the engine starts, before any collective)."""
+        world_state = self._sets[0]
+        switchable = getattr(world_state.comm, "can_switch_hierarchy", False)
+        initial = TuningParams(
+            fusion_threshold_mb=self.settings.fusion_threshold / (1024 * 1024),
+            cycle_time_ms=self.settings.cycle_time_s * 1000.0,
+            cache_enabled=self.settings.cache_capacity > 0,
+            hierarchical_allreduce=bool(getattr(world_state.comm, "use_hierarchy", False)))
+        if not switchable:
+            config = replace(config, fixed_hierarchical=True)
+        if self.settings.cache_capacity <= 0:
+            config = replace(config, fixed_cache=True)  # a cache of no entries has nothing to turn on
+        with self._cycle_lock:
+            self.autotuner = Autotuner(config, initial, is_coordinator=world_state.comm.rank == 0,
+                                       apply=self._apply_tuning,
+                                       broadcast=lambda obj: world_state.comm.broadcast_object(obj, 0))
+        return self.autotuner
+
+    def _apply_tuning(self, params: TuningParams) -> None:
+        """Set the engine's knobs (at the same cycle on every rank: see Autotuner.end_sample)."""
+        threshold = int(round(params.fusion_threshold_mb * 1024 * 1024))
+        self.settings.fusion_threshold = threshold
+        self.settings.cycle_time_s = params.cycle_time_ms / 1000.0
+        for state in self._states:
+            state.executor.threshold = threshold
+            if state.cache.suspended == params.cache_enabled:
+                state.cache.suspended = not params.cache_enabled
+                if state.cache.suspended:
+                    # Requests announced by cache bit go by name from now on, on every rank alike.
+                    state.uncached.extend(state.by_bit.values())
+                    state.by_bit.clear()
+                    state.invalid.clear()
+            if getattr(state.comm, "can_switch_hierarchy", False):
+                state.comm.use_hierarchy = params.hierarchical_allreduce
 
     def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
         """Swap the timeline (start_timeline/stop_timeline); returns the previous one."""
@@ -454,6 +493,9 @@ class Engine:
             for state in self._states:
                 if state.set_id in self._sets and self._cycle(state):  # (a cycle may remove a set)
                     stop = True
+            tuner = self.autotuner
+            if tuner is not None and tuner.sample_done and not stop:
+                tuner.end_sample()  # the same cycle on every rank: they executed the same operations
             if stop:
                 self._stop(HorovodInternalError(
                     "hora was shut down (a rank called shutdown() or exited) while this "
@@ -684,6 +726,11 @@ class Engine:
         return False
 
     def _execute(self, state: SetState, items: list[Item]) -> None:
+        tuner = self.autotuner
+        if tuner is not None and state.set_id == 0 and tuner.active:
+            tuner.executed([item.response.name for item in items],
+                           sum(item.request.buffer.nbytes for item in items
+                               if item.request is not None and item.request.buffer is not None))
         runnable: list[Item] = []
         for item in items:
             if item.response.signature.kind in PROCESS_SET_KINDS and item.response.error is None:

@@ -10,7 +10,7 @@ command line must never be half-understood, so each Horovod flag falls into one 
 - it asks for something hora already does, or never does (``--gloo``: hora's built-in controller
   is the only one; ``--disable-cache``: hora caches no start-up checks; ``--mpi-threads-disable``:
   hora uses no MPI threads). It is accepted, and ``--verbose`` says why it changes nothing;
-- it asks for something hora does not have yet (autotune, elastic training, MPI, NCCL...). Then
+- it asks for something hora does not have yet (MPI, jsrun, NCCL streams...). Then
   :func:`parse_run_args` raises :class:`UnsupportedOption`, one line that names the flag and says
   why, before any worker starts.
 
@@ -186,20 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
                            action="store_false", default=None,
                            help="accepted: hora's allgather is never hierarchical")
 
-    autotune = parser.add_argument_group("autotune (not built yet: --autotune and its settings are refused)")
+    autotune = parser.add_argument_group(
+        "autotune (tunes the knobs not set explicitly while the job trains; needs scikit-learn)")
     enabled = autotune.add_mutually_exclusive_group()
-    enabled.add_argument("--autotune", action="store_true", default=None, help="refused: not built yet")
+    enabled.add_argument("--autotune", action="store_true", default=None,
+                         help="tune fusion threshold, cycle time, the response cache and hierarchical "
+                              "allreduce by Bayesian optimisation during the first steps")
     enabled.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
-                         help="accepted: no autotuning (the default)")
-    autotune.add_argument("--autotune-log-file", metavar="FILE", help="refused: autotune is not built yet")
+                         help="no autotuning (the default)")
+    autotune.add_argument("--autotune-log-file", metavar="FILE",
+                          help="CSV of every setting tried and its score (rank 0); the last row is the best")
     autotune.add_argument("--autotune-warmup-samples", type=nonneg_int, metavar="N",
-                          help="refused: autotune is not built yet")
+                          help="samples discarded at the start (default 3)")
     autotune.add_argument("--autotune-steps-per-sample", type=nonneg_int, metavar="N",
-                          help="refused: autotune is not built yet")
+                          help="training steps per sample (default 10)")
     autotune.add_argument("--autotune-bayes-opt-max-samples", type=nonneg_int, metavar="N",
-                          help="refused: autotune is not built yet")
+                          help="settings of fusion threshold and cycle time tried (default 20)")
     autotune.add_argument("--autotune-gaussian-process-noise", type=unit_interval, metavar="X",
-                          help="refused: autotune is not built yet")
+                          help="noise (alpha) of the Gaussian process (default 0.8)")
 
     elastic = parser.add_argument_group(
         "elastic training (on with --min-np, --max-np or --host-discovery-script; docs/elastic.md)")
@@ -291,20 +295,11 @@ NO_MPI_CONTROLLER = ("hora has no MPI controller yet; workers always use hora's 
 NO_MPIRUN = "hora does not start workers through mpirun, so there is nothing to pass MPI arguments to"
 _ELASTIC_ONLY = ("only applies to elastic jobs; add --min-np/--max-np or --host-discovery-script "
                  "to make this one elastic")
-_AUTOTUNE_SETTING = ("only used by autotune, which is not built yet in hora; "
-                     "set --fusion-threshold-mb and --cycle-time-ms yourself")
 _NO_TIMESTAMPS = ("hora's log lines carry no timestamp; "
                   "use --prefix-output-with-timestamp to timestamp every line of worker output")
 
 # dest -> (value that is refused, or None for "any value", why). Checked in this order.
 _REFUSED: tuple[tuple[str, Any, str], ...] = (
-    ("autotune", True, "autotune is not built yet in hora; set --fusion-threshold-mb and "
-                       "--cycle-time-ms (or HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME) yourself"),
-    ("autotune_log_file", None, _AUTOTUNE_SETTING),
-    ("autotune_warmup_samples", None, _AUTOTUNE_SETTING),
-    ("autotune_steps_per_sample", None, _AUTOTUNE_SETTING),
-    ("autotune_bayes_opt_max_samples", None, _AUTOTUNE_SETTING),
-    ("autotune_gaussian_process_noise", None, _AUTOTUNE_SETTING),
     ("slots_per_host", None, _ELASTIC_ONLY),
     ("elastic_timeout", None, _ELASTIC_ONLY),
     ("reset_limit", None, _ELASTIC_ONLY),
@@ -564,7 +559,12 @@ _KNOB_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cycle_time_ms": ("cycle_time", float),
     "cache_capacity": ("cache_capacity", int),
     "hierarchical_allreduce": ("hierarchical_allreduce", bool),
-    "autotune": ("autotune", bool),  # only False gets here: True is refused
+    "autotune": ("autotune", bool),
+    "autotune_log_file": ("autotune_log", str),
+    "autotune_warmup_samples": ("autotune_warmup_samples", int),
+    "autotune_steps_per_sample": ("autotune_steps_per_sample", int),
+    "autotune_bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", int),
+    "autotune_gaussian_process_noise": ("autotune_gaussian_process_noise", float),
     "timeline_filename": ("timeline", str),
     "timeline_mark_cycles": ("timeline_mark_cycles", bool),
     "no_stall_check": ("stall_check_disable", bool),

@@ -37,6 +37,7 @@ class HierarchicalCommunicator(Communicator):
 
     name = "hierarchical"
     activity = "HIERARCHICAL"
+    can_switch_hierarchy = True
 
     def __init__(self, flat: Communicator, local: Communicator, cross: Communicator | None, lanes: int) -> None:
         if not 1 <= lanes <= local.size:
@@ -45,6 +46,9 @@ class HierarchicalCommunicator(Communicator):
             raise ValueError(f"local rank {local.rank} < lanes {lanes} needs its cross-host ring")
         self.flat, self.local, self.cross, self.lanes = flat, local, cross, lanes
         self._closed = False
+        #: Whether allreduce goes through the hosts' layers (True) or the flat ring: the autotuner
+        #: switches it, at the same engine cycle on every rank.
+        self.use_hierarchy = True
 
     @classmethod
     def connect(
@@ -108,6 +112,9 @@ class HierarchicalCommunicator(Communicator):
         check_buffer(buf)
         check_op(op, buf.dtype)
         if buf.size == 0 or self.size == 1:
+            return
+        if not self.use_hierarchy:
+            self.flat.allreduce(buf, op)
             return
         flat = buf.reshape(-1)
         local, cross = self.local, self.cross
