@@ -88,11 +88,13 @@ def test_a_file_that_is_not_an_autotune_log_is_refused(tmp_path):
 
 
 WORKER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import numpy as np
     import hora
     from hora import basics
 
+    if len(sys.argv) > 2:  # two ranks per pretend host: the world forms a hierarchical communicator
+        os.environ["HORA_HOST_ID"] = "host%d" % (int(os.environ["HORA_RANK"]) // 2)
     hora.init()
     r, n = hora.rank(), hora.size()
     engine = basics.engine()
@@ -109,7 +111,9 @@ WORKER = textwrap.dedent("""
     out = {"wrong": wrong, "steps": step + 1, "active": tuner.active,
            "history": [(k, p.fusion_threshold_mb, p.cycle_time_ms, p.cache_enabled, p.active)
                        for k, p in tuner.history],
-           "fusion": engine.settings.fusion_threshold, "cycle_ms": engine.settings.cycle_time_s * 1000}
+           "fusion": engine.settings.fusion_threshold, "cycle_ms": engine.settings.cycle_time_s * 1000,
+           "hierarchy": [p.hierarchical_allreduce for _, p in tuner.history],
+           "comm": type(basics.engine()._sets[0].comm).__name__}
     with open(sys.argv[1] + f".{r}", "w") as f:
         json.dump(out, f)
     hora.shutdown()
@@ -154,3 +158,23 @@ def test_the_log_is_horovods_csv_with_the_best_setting_last_2ranks(tuned_job):
     final = results[0]
     assert final["fusion"] / 1024 / 1024 == pytest.approx(best["tensor_fusion_threshold"], rel=1e-3, abs=1e-3)
     assert final["cycle_ms"] == pytest.approx(best["cycle_time_ms"], rel=1e-3)
+
+
+def test_hierarchical_allreduce_is_tuned_where_the_world_can_switch_4ranks(tmp_path):
+    """Two pretend hosts of two ranks: the world is hierarchical, and with fusion, cycle time and the
+    cache set explicitly (held fixed) only the flat/hierarchical switch is tried."""
+    script, out = tmp_path / "worker.py", tmp_path / "out"
+    script.write_text(WORKER)
+    done = subprocess.run(
+        [sys.executable, "-m", "hora", "run", "-np", "4", "--autotune", "--autotune-warmup-samples", "1",
+         "--autotune-steps-per-sample", "3", "--fusion-threshold-mb", "8", "--cycle-time-ms", "1",
+         "--cache-capacity", "256", sys.executable, str(script), str(out), "fake-hosts"],
+        env=clean_env(), capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
+    assert {res["comm"] for res in results} == {"HierarchicalCommunicator"}
+    assert [res["wrong"] for res in results] == [0] * 4
+    assert all(res["history"] == results[0]["history"] for res in results)
+    assert set(results[0]["hierarchy"]) == {True, False}  # both ways tried, every result right
+    assert {h[1] for h in results[0]["history"]} == {8.0}  # fixed knobs never changed
+    assert all(not res["active"] for res in results)
