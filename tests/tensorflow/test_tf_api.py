@@ -63,6 +63,10 @@ TENSORFLOW = [
     " compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,"
     " gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,"
     " process_set=global_process_set, scale_local_gradients=True)",
+    "PartialDistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,"
+    " sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,"
+    " process_set=global_process_set, local_layers=None, scale_local_gradients=True)",
+    "BroadcastGlobalVariablesHook(root_rank, device='')",
 ]
 
 KERAS = [

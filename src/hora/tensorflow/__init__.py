@@ -1,8 +1,9 @@
 """hora.tensorflow: horovod.tensorflow's API on TensorFlow 2 (2.16+, Keras 3).
 
 Change ``import horovod.tensorflow as hvd`` to ``import hora.tensorflow as hvd``; everything else
-stays. Collectives work eagerly and inside ``tf.function`` (not under XLA: ``jit_compile=True``
-cannot host them). ``hora.tensorflow.keras`` is ``hora.keras`` under Horovod's spelling.
+stays. Collectives work eagerly, inside ``tf.function`` and in TensorFlow 1 graphs run by a
+``tf.compat.v1.Session`` (not under XLA: ``jit_compile=True`` cannot host them).
+``hora.tensorflow.keras`` is ``hora.keras`` under Horovod's spelling.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce o
 from hora.common_api import __all__ as _common
 from hora.compression import Compression
 from hora.tensorflow.functions import (
+    BroadcastGlobalVariablesHook,
     allgather_object,
     broadcast_global_variables,
     broadcast_object,
     broadcast_object_fn,
     broadcast_variables,
 )
-from hora.tensorflow.gradients import DistributedGradientTape
+from hora.tensorflow.gradients import DistributedGradientTape, PartialDistributedGradientTape
 from hora.tensorflow.mpi_ops import (
     allgather,
     allreduce,
@@ -37,9 +39,11 @@ from hora.tensorflow.mpi_ops import (
     size_op,
 )
 from hora.tensorflow.optimizer import DistributedOptimizer
+from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = list(_common) + [
-    "Compression", "DistributedGradientTape", "DistributedOptimizer",
+    "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape", "DistributedOptimizer",
+    "PartialDistributedGradientTape", "SyncBatchNormalization",
     "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join", "local_rank_op",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -106,6 +107,12 @@ class GradientAllreducer:
                               self.device_dense, self.device_sparse)
 
 
+def _source_key(source: Any) -> Any:
+    """A hashable identity for a gradient source: TensorFlow's ``ref()``; Keras 3 variables have none,
+    and live as long as their layer, so their ``id``."""
+    return source.ref() if hasattr(source, "ref") else ("id", id(source))
+
+
 class ReducesGradients:
     """What the TensorFlow gradient wrappers (the tape, the TensorFlow 1 optimizer) mix in: their
     allreducer, and the sources whose gradients stay on this rank (Horovod's
@@ -122,11 +129,11 @@ class ReducesGradients:
         self._hora_local_scale = 1.0 / process_set.size() if scale_local_gradients else None
 
     def _hora_keep_local(self, source) -> None:
-        self._hora_local.add(source.ref())
+        self._hora_local.add(_source_key(source))
 
     def _hora_reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None) -> list[Any]:
         aligned = sources is not None and len(sources) == len(grads)
-        is_local = [s.ref() in self._hora_local for s in sources] if aligned and self._hora_local else []
+        is_local = [_source_key(s) in self._hora_local for s in sources] if aligned and self._hora_local else []
         return batched.reduce_keeping_local(self._hora_allreducer, grads, sources if aligned else None, is_local,
                                             self._hora_local_scale)
 
@@ -138,6 +145,10 @@ class _DistributedGradientTape(ReducesGradients):
         """Keep ``source``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
         the default, it is divided by the process set's size, as Horovod does)."""
         self._hora_keep_local(source)
+
+    def register_local_var(self, var) -> None:
+        """The same as :meth:`register_local_source`, under the optimizers' name."""
+        self._hora_keep_local(var)
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -176,3 +187,31 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     wrapped.__dict__.update(gradtape.__dict__)
     wrapped._hora_bind(allreducer, getattr(gradtape, "_hora_local", ()), scale_local_gradients, process_set)
     return wrapped
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                                   compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                                   process_set: ProcessSet = global_process_set, local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """A :func:`DistributedGradientTape` that keeps the gradients of ``local_layers`` on each rank.
+
+    ``local_layers``: a Keras layer or a collection of them whose trainable weights each rank trains
+    on its own (their gradients are not reduced; with ``scale_local_gradients`` they are divided by
+    the process set's size, as in Horovod). Without it, the tape is a plain DistributedGradientTape.
+    """
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    else:
+        local_layers = list(local_layers)
+        wrong = [type(layer).__name__ for layer in local_layers if not isinstance(layer, keras.layers.Layer)]
+        if wrong:
+            raise ValueError(f"local_layers must be Keras layers; got {', '.join(wrong)}")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for weight in layer.trainable_weights:
+            tape.register_local_source(weight)
+    return tape

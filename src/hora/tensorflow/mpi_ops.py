@@ -187,17 +187,27 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
                process_set: ProcessSet = global_process_set) -> list:
     """Overwrite each variable with ``root_rank``'s value, in place; returns the variables."""
     variables = list(variables)
+    assign_from_root(variables, root_rank, name, process_set)
+    return variables
+
+
+def assign_from_root(variables: Sequence[Any], root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Assign ``root_rank``'s value to each variable (one engine round); the assignments.
+
+    Inside ``tf.function`` automatic control dependencies run them; in a TensorFlow 1 graph the
+    caller groups them into the op it hands to ``Session.run``.
+    """
+    variables = list(variables)
     if not variables:
-        return variables
+        return []
     values = [to_tensor(v, "variable") for v in variables]
 
     def body(*arrays):
         return batched.broadcast_arrays(arrays, root_rank, process_set, name)
 
     results = run_numpy(body, values, [v.dtype for v in values], [v.shape for v in values], name="HoraBroadcastInplace")
-    for variable, result in zip(variables, results):
-        variable.assign(result)  # in a graph, automatic control dependencies make the assignments run
-    return variables
+    return [variable.assign(result) for variable, result in zip(variables, results)]
 
 
 # ---- alltoall -----------------------------------------------------------------------------------

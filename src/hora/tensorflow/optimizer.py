@@ -4,7 +4,9 @@ In TensorFlow 2.16+ ``tf.keras`` is Keras 3, so the optimizers a TensorFlow 2 sc
 Keras optimizers: they are wrapped by :mod:`hora.keras_wrapper`, as :func:`hora.keras.DistributedOptimizer`
 wraps them.
 TensorFlow 1 style ``tf.compat.v1.train.Optimizer`` subclasses are wrapped too: their
-``compute_gradients`` (and so ``minimize``) returns gradients averaged across ranks.
+``compute_gradients`` (and so ``minimize``) returns gradients averaged across ranks, or, with
+``backward_passes_per_step`` > 1, aggregated locally first (:mod:`hora.tensorflow.aggregation`),
+in a TensorFlow 1 graph, inside ``tf.function`` and eagerly.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import tensorflow as tf
 from hora import basics, horovod_args, keras_wrapper
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
+from hora.tensorflow.aggregation import V1GradientAggregator
 from hora.tensorflow.gradients import GradientAllreducer, ReducesGradients
 
 
 class _DistributedV1Optimizer(ReducesGradients):
     """Mixed in before a ``tf.compat.v1.train.Optimizer`` subclass."""
+
+    _hora_aggregator: V1GradientAggregator | None = None
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
@@ -32,8 +37,23 @@ class _DistributedV1Optimizer(ReducesGradients):
         """The wrapped optimizer's (gradient, variable) pairs, gradients averaged across ranks."""
         pairs = super().compute_gradients(*args, **kwargs)
         variables = [v for _, v in pairs]
-        grads = self._hora_reduce([g for g, _ in pairs], variables)
+        grads = [g for g, _ in pairs]
+        if self._hora_aggregator is not None:
+            grads = self._hora_aggregator.compute_gradients(grads, variables)
+        else:
+            grads = self._hora_reduce(grads, variables)
         return list(zip(grads, variables))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """The wrapped optimizer's update; with ``backward_passes_per_step`` > 1 only on the passes that
+        reduced (the others advance ``global_step`` alone, as in Horovod)."""
+        if self._hora_aggregator is None:
+            return super().apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        grads_and_vars = list(grads_and_vars)
+        return self._hora_aggregator.apply_gradients(
+            lambda: super(_DistributedV1Optimizer, self).apply_gradients(grads_and_vars, global_step=global_step,
+                                                                         name=name),
+            [g for g, _ in grads_and_vars], global_step)
 
 
 def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False, device_dense: str = "",
@@ -48,7 +68,9 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     with the same arguments; ``use_locking`` is TensorFlow 1's and has no effect.
     ``optimizer.register_local_var(variable)`` keeps that variable's gradient on each rank,
     unreduced; with ``scale_local_gradients`` (the default) it is divided by the process set's size,
-    as in Horovod.
+    as in Horovod. A ``tf.compat.v1.train`` optimizer with ``backward_passes_per_step`` k > 1 sums
+    its gradients locally over k ``compute_gradients`` calls and reduces and applies them on the
+    k-th, in a graph and eagerly (Horovod: graph only).
     """
     groups = horovod_args.resolve_groups(num_groups, groups)
     if isinstance(optimizer, keras.optimizers.Optimizer):
@@ -61,9 +83,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (tf.keras.optimizers.*) or a "
                         f"tf.compat.v1.train.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__name__}")
-    if horovod_args.backward_passes(backward_passes_per_step) != 1:
-        raise NotImplementedError("backward_passes_per_step > 1 needs a Keras optimizer; hora does not aggregate "
-                                  "gradients locally for tf.compat.v1.train optimizers")
+    passes = horovod_args.backward_passes(backward_passes_per_step)
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = type(optimizer)
     prefix = name if name is not None else f"Distributed{base.__name__}"
@@ -73,4 +93,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     wrapped._hora_bind(GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
                                           gradient_predivide_factor, groups, process_set),
                        set(), scale_local_gradients, process_set)
+    if passes > 1:
+        wrapped._hora_aggregator = V1GradientAggregator(passes, average_aggregated_gradients, sparse_as_dense,
+                                                        wrapped._hora_reduce, prefix)
     return wrapped
