@@ -110,7 +110,8 @@ def hora_worker(cfg: Config) -> dict[str, float] | None:
     slowest = max(hvd.allgather_object(seconds))
     rank = hvd.rank()
     hvd.shutdown()
-    return {"seconds": slowest, "loss": loss, "cpu_per_step": cpu} if rank == 0 else None
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    return {"seconds": slowest, "loss": loss, "cpu_per_step": cpu, "tensors": tensors} if rank == 0 else None
 
 
 def ddp_worker(cfg: Config) -> dict[str, float] | None:
@@ -185,7 +186,7 @@ def run_contender(name: str, cfg: Config, np_: int, hora_env: dict[str, str] | N
     per_worker = cfg.batch_size * cfg.iters / result["seconds"]
     return {"seconds": result["seconds"], "loss": result["loss"], "workers": workers,
             "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers,
-            "cpu_ms_per_step": result["cpu_per_step"] * 1000}
+            "cpu_ms_per_step": result["cpu_per_step"] * 1000, "tensors": result.get("tensors")}
 
 
 def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, Any]:
@@ -211,6 +212,11 @@ def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, An
 
     summary["ratios"] = {"hora/ddp": ratio("hora", "ddp"), "hora/single": ratio("hora", "single"),
                          "ddp/single": ratio("ddp", "single")}
+    if "hora" in summary and "single" in summary and runs["hora"][0].get("tensors"):
+        # What distribution adds to a process's CPU time per step, per gradient tensor: hooks,
+        # engine submission, negotiation and completion, copies and the transport together.
+        extra_ms = summary["hora"]["cpu_ms_per_step"] - summary["single"]["cpu_ms_per_step"]
+        summary["hora_extra_cpu_us_per_tensor"] = extra_ms * 1000 / runs["hora"][0]["tensors"]
     return summary
 
 
@@ -236,6 +242,9 @@ def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -
     if summary["ratios"]["hora/single"] is not None:
         lines.append(f"# X/single: total throughput over one process (ideal: {np_})")
     lines.append("# CPU ms/step: rank 0's process CPU time per step, all threads (training + communication)")
+    if summary.get("hora_extra_cpu_us_per_tensor") is not None:
+        lines.append(f"hora's CPU time per step beyond one process's, per gradient tensor: "
+                     f"{summary['hora_extra_cpu_us_per_tensor']:.1f} us")
     return "\n".join(lines)
 
 

@@ -80,9 +80,27 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+class DeepMLP(nn.Module):
+    """100 Linear layers of widths 64-256 (200 parameter tensors, 2.9 M parameters) on a pooled 8x8
+    image: many small gradients per step, where the per-tensor cost of gradient reduction shows."""
+
+    def __init__(self, layers: int = 100, num_classes: int = 1000) -> None:
+        super().__init__()
+        widths = [3 * 8 * 8] + [(256, 128, 64, 192)[i % 4] for i in range(layers - 1)] + [num_classes]
+        self.pool = nn.AdaptiveAvgPool2d(8)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(self.pool(x), 1)
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
 MODELS = {
     "resnet18": lambda: ResNet([2, 2, 2, 2]),   # 11.7 M parameters
     "resnet34": lambda: ResNet([3, 4, 6, 3]),   # 21.8 M parameters
+    "mlp200": DeepMLP,                          # 200 parameter tensors, 2.9 M parameters
 }
 
 
