@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""How hora's costs grow with the number of ranks on one host (oversubscribed cores are fine: the
+point is growth, not speed).
+
+For each world size: start-up time (launch to every rank initialised), 4-byte and 1 MiB allreduce
+time (mean per call, slowest rank), the steady-state engine cycle time (a cached 4-byte allreduce
+submitted and awaited back to back, which is one negotiation cycle plus the transport), and per
+process the open sockets and threads (largest over the ranks). Each size is one fresh job started by
+``hora.run``.
+
+    python benchmarks/scaling_one_host.py                    # 2, 4, 8, 16, 32, 64 ranks
+    python benchmarks/scaling_one_host.py --sizes 2,4,8 --json
+    python benchmarks/scaling_one_host.py --transport tcp    # HORA_TRANSPORT=tcp: the TCP mesh
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _sockets_and_threads() -> tuple[int, int]:
+    sockets = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                sockets += 1
+        except OSError:
+            pass
+    with open("/proc/self/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    return sockets, threads
+
+
+def worker(launched_at: float, small_iters: int, big_iters: int) -> dict[str, Any] | None:
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    ready = time.time() - launched_at
+    hora.barrier()
+
+    def timed(buf: np.ndarray, iters: int, name: str) -> float:
+        for _ in range(3):
+            hora.allreduce(buf, name=name)
+        hora.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            hora.allreduce(buf, name=name)
+        return (time.perf_counter() - start) / iters
+
+    small = timed(np.ones(1, np.float32), small_iters, "scaling.small")
+    big = timed(np.ones(256 * 1024, np.float32), big_iters, "scaling.big")
+    sockets, threads = _sockets_and_threads()
+    rounds_before = hora.basics.engine().negotiation_rounds
+    cycle = timed(np.ones(1, np.float32), small_iters, "scaling.small")  # cached: no name rounds
+    name_rounds = hora.basics.engine().negotiation_rounds - rounds_before
+    rows = hora.allgather_object({"ready": ready, "small": small, "big": big, "cycle": cycle,
+                                  "sockets": sockets, "threads": threads, "name_rounds": name_rounds})
+    rank = hora.rank()
+    hora.shutdown()
+    if rank != 0:
+        return None
+    return {"ranks": len(rows), "startup_s": max(r["ready"] for r in rows),
+            "allreduce_4B_us": max(r["small"] for r in rows) * 1e6,
+            "allreduce_1MiB_us": max(r["big"] for r in rows) * 1e6,
+            "cached_cycle_us": max(r["cycle"] for r in rows) * 1e6,
+            "name_rounds_in_steady_state": max(r["name_rounds"] for r in rows),
+            "sockets_per_process": max(r["sockets"] for r in rows),
+            "threads_per_process": max(r["threads"] for r in rows)}
+
+
+def measure(n: int, transport: str | None, small_iters: int, big_iters: int) -> dict[str, Any]:
+    import hora
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env.update({"OMP_NUM_THREADS": "1", "HORA_START_TIMEOUT": "300"})
+    if transport:
+        env["HORA_TRANSPORT"] = transport
+    launched = time.time()
+    result = hora.run(worker, args=(launched, small_iters, big_iters), np=n, env=env)[0]
+    result["job_s"] = time.time() - launched
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="2,4,8,16,32,64")
+    parser.add_argument("--transport", choices=("shm", "tcp"), default=None)
+    parser.add_argument("--small-iters", type=int, default=200)
+    parser.add_argument("--big-iters", type=int, default=10)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = [measure(int(n), args.transport, args.small_iters, args.big_iters) for n in args.sizes.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    cols = ("ranks", "startup_s", "allreduce_4B_us", "allreduce_1MiB_us", "cached_cycle_us",
+            "sockets_per_process", "threads_per_process", "name_rounds_in_steady_state")
+    print(" ".join(f"{c:>14}" for c in cols))
+    for row in rows:
+        print(" ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
