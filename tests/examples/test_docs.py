@@ -34,6 +34,9 @@ def _as_written(obj) -> str:
         nones.add(sys.modules["hora.torch"].Compression.none)
     parts = []
     for param in inspect.signature(obj).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            parts.append(("*" if param.kind is param.VAR_POSITIONAL else "**") + param.name)
+            continue
         if param.default is inspect.Parameter.empty:
             parts.append(param.name)
             continue

@@ -13,7 +13,9 @@
 - bad input (mismatched shapes, mismatched sparse columns or channels, refused arguments) fails
   clearly on every rank, and the next collective works.
 
-The 1-worker references are computed in the same job, without collectives, by plain TensorFlow.
+A second job runs a TensorFlow 1 script's world (``disable_v2_behavior``): the hook and the
+accumulating optimizer in a ``MonitoredTrainingSession``, and ``SyncBatchNormalization``'s moving
+statistics through ``UPDATE_OPS``. The 1-worker references are computed in the same jobs, without collectives, by plain TensorFlow.
 """
 
 from __future__ import annotations
@@ -310,9 +312,94 @@ def _job() -> list:
     ]
 
 
+def _tf1_job() -> list:
+    """A TensorFlow 1 script's world: v2 behaviour off (ref variables, v1 control flow, no eager)."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_v2_behavior()
+    import hora.tensorflow as hvd
+
+    r, v1 = hvd.rank(), tf.compat.v1
+    rng = np.random.default_rng(9)
+    xs = rng.normal(size=(STEPS * 8, 3)).astype(np.float32)
+    ys = rng.normal(size=(STEPS * 8, 1)).astype(np.float32)
+
+    def build(distributed):
+        graph = tf.Graph()
+        with graph.as_default():
+            w = v1.get_variable("w", initializer=tf.fill([3, 1], 0.5 + r * float(distributed)))
+            x, y = v1.placeholder(tf.float32, [None, 3]), v1.placeholder(tf.float32, [None, 1])
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+            opt = v1.train.MomentumOptimizer(0.05, 0.9)
+            if distributed:
+                opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=2, average_aggregated_gradients=True)
+            train = opt.minimize(loss, global_step=v1.train.get_or_create_global_step())
+        return graph, w, x, y, train
+
+    def momentum_monitored_session():
+        graph, w, x, y, train = build(True)
+        out = []
+        with graph.as_default():
+            with v1.train.MonitoredTrainingSession(hooks=[hvd.BroadcastGlobalVariablesHook(0)]) as session:
+                start = session.run(w)
+                for s in range(STEPS):
+                    for p in range(2):
+                        rows = slice(s * 8 + r * 4 + p * 2, s * 8 + r * 4 + p * 2 + 2)
+                        session.run(train, {x: xs[rows], y: ys[rows]})
+                    out.append(session.run(w).ravel())
+        graph, w, x, y, train = build(False)
+        want = []
+        with graph.as_default(), v1.Session() as session:
+            session.run(v1.global_variables_initializer())
+            for s in range(STEPS):
+                session.run(train, {x: xs[s * 8:(s + 1) * 8], y: ys[s * 8:(s + 1) * 8]})
+                want.append(session.run(w).ravel())
+        return {"start": start, "weights": np.stack(out), "reference": np.stack(want),
+                "variable_type": type(w).__name__}
+
+    def sync_batch_norm_update_ops():
+        data = np.random.default_rng(3).normal(2.0, 3.0, size=(8, 4)).astype(np.float32)
+        with tf.Graph().as_default():
+            layer = hvd.SyncBatchNormalization(momentum=0.5, epsilon=1e-3)
+            out = layer(tf.constant(data[4 * r:4 * r + 4]), training=True)
+            updates = v1.get_collection(v1.GraphKeys.UPDATE_OPS)
+            with v1.Session() as session:
+                session.run(v1.global_variables_initializer())
+                got, _ = session.run([out, updates])
+                moving = session.run([layer.moving_mean.value, layer.moving_variance.value])
+        mean, var = data.mean(0), data.var(0)
+        return {"output": got, "expected": ((data - mean) / np.sqrt(var + 1e-3))[4 * r:4 * r + 4],
+                "moving": moving, "expected_moving": [0.5 * mean, 0.5 + 0.5 * var], "updates": len(updates)}
+
+    return [("momentum_monitored_session", momentum_monitored_session),
+            ("sync_batch_norm_update_ops", sync_batch_norm_update_ops)]
+
+
 @pytest.fixture(scope="module")
 def ranks2() -> JobResults:
     return run_job(_job, np=2)
+
+
+@pytest.fixture(scope="module")
+def tf1_ranks2() -> JobResults:
+    return run_job(_tf1_job, np=2)
+
+
+def test_tf1_script_hook_and_backward_passes_2_workers_match_1_worker_2ranks(tf1_ranks2):
+    for r in range(2):
+        got = tf1_ranks2.get("momentum_monitored_session", r)
+        assert got["variable_type"] == "RefVariable"  # v2 behaviour really is off
+        close(got["start"], np.full((3, 1), 0.5))  # rank 0's initial value, from the hook
+        close(got["weights"], got["reference"], rtol=1e-4, atol=1e-5)
+
+
+def test_tf1_sync_batch_norm_adds_its_updates_to_update_ops_2ranks(tf1_ranks2):
+    for r in range(2):
+        got = tf1_ranks2.get("sync_batch_norm_update_ops", r)
+        assert got["updates"] == 2
+        close(got["output"], got["expected"], rtol=1e-4, atol=1e-5)
+        close(got["moving"][0], got["expected_moving"][0], rtol=1e-5, atol=1e-6)
+        close(got["moving"][1], got["expected_moving"][1], rtol=1e-5, atol=1e-6)
 
 
 def close(got, want, rtol=1e-5, atol=1e-6):

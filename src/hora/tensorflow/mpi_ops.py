@@ -105,7 +105,11 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
             result[i] = t
     if sparse_at:
         names = [None if name is None else f"{name}.sparse.{k}" for k in range(len(sparse_at))]
-        gathered = allreduce_list([tensors[i] for i in sparse_at], names, reduction, device_sparse=device_sparse)
+        # The dense op first, then the sparse one: a TensorFlow 1 graph has no automatic control
+        # dependencies, and unnamed collectives must run in the same order on every rank.
+        after = [result[i] for i in dense_at] if not tf.executing_eagerly() else []
+        with tf.control_dependencies(after):
+            gathered = allreduce_list([tensors[i] for i in sparse_at], names, reduction, device_sparse=device_sparse)
         for i, t in zip(sparse_at, gathered):
             result[i] = t
     return result

@@ -9,6 +9,10 @@ Each rank reduces, in one Sum allreduce, its sample count, its per-channel sum a
 (masked entries excluded). The count makes ranks with different batch sizes weigh by their samples,
 where Horovod's layer averages the ranks' means with equal weight (the same when batches are
 equal). Inference (``training=False``) uses the moving statistics and sends nothing.
+
+In a TensorFlow 1 graph the moving statistics' assignments are ops nothing runs by itself: as
+Horovod does, the layer adds them to ``tf.compat.v1.GraphKeys.UPDATE_OPS``, for the usual
+``with tf.control_dependencies(tf.compat.v1.get_collection(UPDATE_OPS))`` around the train op.
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             kwargs["name"] = "sync_batch_normalization"
         super().__init__(**kwargs)
 
+    def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+        if tf.executing_eagerly() or tf.inside_function():
+            return super().call(inputs, training=training, mask=mask)
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        outputs = super().call(inputs, training=training, mask=mask)
+        moving = {_graph_ref(v) for v in (self.moving_mean, self.moving_variance)}
+        for op in graph.get_operations()[first:]:
+            if op.type in ("Assign", "AssignVariableOp") and op.inputs and op.inputs[0].ref() in moving:
+                graph.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, op)
+        return outputs
+
     def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
         if basics.size() == 1:
             return super()._moments(inputs, mask)
@@ -61,3 +77,12 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         mean = total / count
         variance = tf.maximum(squares / count - tf.square(mean), 0.0)
         return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+
+def _graph_ref(variable: Any) -> Any:
+    """The graph tensor an assignment to this Keras variable writes through (handle or ref)."""
+    inner = getattr(variable, "value", variable)
+    inner = getattr(inner, "_variable", inner)  # an autocast wrapper
+    handle = getattr(inner, "handle", None)
+    target = handle if handle is not None else inner._ref()
+    return target.ref()
