@@ -199,6 +199,49 @@ def _job() -> list:
             out["fused"] = str(exc)
         return out
 
+    def sync_batch_norm_fit():
+        """model.fit on both ranks' halves == one process fitting the whole batches with plain BN."""
+        import tempfile
+
+        import hora.keras as hk
+
+        data = np.random.default_rng(6).normal(1.0, 2.0, size=(40, 3)).astype(np.float32)
+        labels = np.random.default_rng(8).normal(size=(40, 1)).astype(np.float32)
+        mine = np.concatenate([np.arange(8 * s + 4 * r, 8 * s + 4 * r + 4) for s in range(5)])
+
+        def model(norm):
+            keras.utils.set_random_seed(1)
+            return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), norm(momentum=0.8),
+                                     keras.layers.Dense(1)])
+
+        sync, plain = model(hvd.SyncBatchNormalization), model(keras.layers.BatchNormalization)
+        sync.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+        plain.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        sync.fit(data[mine], labels[mine], batch_size=4, epochs=2, shuffle=False, verbose=0)
+        plain.fit(data, labels, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        path = f"{tempfile.mkdtemp()}/sync_bn.keras"
+        sync.save(path)
+        loaded = keras.models.load_model(path, compile=False)
+        return {"weights": [w.numpy() for w in sync.weights], "expected": [w.numpy() for w in plain.weights],
+                "loaded_layer": type(loaded.layers[1]).__name__,
+                "loaded_same": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(loaded.weights, sync.weights))}
+
+    def v1_local_var_with_backward_passes():
+        """register_local_var with backward_passes_per_step=2: the local gradient stays this rank's,
+        divided by the size (scale_local_gradients) and by the passes (average_aggregated_gradients)."""
+        w, b = tf.Variable([1.0, -1.0]), tf.Variable([0.5])
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=2,
+                                       average_aggregated_gradients=True)
+        opt.register_local_var(b)
+        inputs = [tf.constant([1.0 + r, 2.0]), tf.constant([3.0, 1.0 - r])]
+        grads = []
+        for x in inputs:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * x) * tf.reduce_sum(b * x)
+            grads.append([g.numpy() for g in tape.gradient(loss, [w, b])])
+            opt.minimize(lambda x=x: tf.reduce_sum(w * x) * tf.reduce_sum(b * x), var_list=[w, b])
+        return {"w": w.numpy(), "b": b.numpy(), "grads": grads, "all_grads": hvd.allgather_object(grads)}
+
     # ---- partial tape, register_local_var on the tape -------------------------------------------
 
     def partial_tape():
@@ -306,6 +349,8 @@ def _job() -> list:
         ("v1_accumulation", v1_accumulation),
         ("v1_accumulation_tf_function", v1_accumulation_tf_function),
         ("sync_batch_norm", sync_batch_norm),
+        ("sync_batch_norm_fit", sync_batch_norm_fit),
+        ("v1_local_var_with_backward_passes", v1_local_var_with_backward_passes),
         ("partial_tape", partial_tape),
         ("indexed_slices", indexed_slices),
         ("bad_input", bad_input),
@@ -464,6 +509,25 @@ def test_sync_batch_norm_matches_one_rank_on_the_whole_batch_2ranks(ranks2):
         assert got["inference_sends_nothing"].shape == (4, 5)
         assert got["config_name"] == "sync_batch_normalization"
         assert got["fused"] is not None and "fused" in got["fused"]
+
+
+def test_sync_batch_norm_in_model_fit_matches_one_process_and_saves_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("sync_batch_norm_fit", r)
+        assert len(got["weights"]) == len(got["expected"]) == 8  # 2 dense (kernel, bias) + 4 BN
+        for a, b in zip(got["weights"], got["expected"]):
+            close(a, b, rtol=1e-4, atol=1e-5)
+        assert got["loaded_layer"] == "SyncBatchNormalization" and got["loaded_same"]
+
+
+def test_v1_register_local_var_with_backward_passes_2ranks(ranks2):
+    for r in range(2):
+        got = ranks2.get("v1_local_var_with_backward_passes", r)
+        own = got["grads"]  # this rank's [w, b] gradient of each pass, taken before any update
+        everyone = got["all_grads"]
+        shared = sum(everyone[k][p][0] for k in range(2) for p in range(2)) / 4  # averaged over ranks and passes
+        close(got["w"], np.array([1.0, -1.0]) - 0.1 * shared)
+        close(got["b"], np.array([0.5]) - 0.1 * (own[0][1] + own[1][1]) / 2 / 2)
 
 
 def test_partial_tape_keeps_local_layers_gradients_2ranks(ranks2):
