@@ -12,7 +12,8 @@ import cloudpickle
 import numpy as np
 
 from hora import basics
-from hora.basics import Average, ProcessSet, global_process_set
+from hora.basics import Adasum, Average, ProcessSet, global_process_set
+from hora.engine import adasum
 from hora.engine.executor import reducescatter_rows
 from hora.engine.request import Handle, Kind, Request, dtype_name, signature
 from hora.horovod_args import check_sum_or_average, resolve_op
@@ -73,6 +74,8 @@ def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: 
     set_id = basics.process_set_id(process_set)
     if name is None:
         name = basics.engine().auto_name(Kind.ALLREDUCE.value, set_id)
+    if op is Adasum:
+        adasum.check_dtype(dtype, basics.rank(), name)
     sig = signature(Kind.ALLREDUCE, dtype_name(dtype), arr.shape, op, -1, float(prescale_factor),
                     float(postscale_factor), group, group_size)
     return Request(name, sig, arr, Handle(name), set_id, arr if inplace else None)

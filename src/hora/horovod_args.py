@@ -22,12 +22,12 @@ T = TypeVar("T")
 #: Horovod's ``groups`` argument: None, an int (that many groups) or lists of parameters/variables.
 Groups = Any
 
-#: The ops a collective may be asked for today (Adasum is Horovod's, not hora's yet).
-_API_OPS: dict[int, ReduceOp] = {op: op for op in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX,
-                                                   ReduceOp.PRODUCT)}
+#: The ops a collective may be asked for (Adasum: allreduce only; see hora.engine.adasum).
+_API_OPS: dict[int, ReduceOp] = {op: op for op in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
+                                                   ReduceOp.MAX, ReduceOp.PRODUCT)}
 
 # Enum members looked up once: attribute access on an Enum class is slow, and resolve_op runs per tensor.
-_AVERAGE, _SUM, _ADASUM = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
+_AVERAGE, _SUM = ReduceOp.AVERAGE, ReduceOp.SUM
 
 
 # ---- reduce ops -----------------------------------------------------------------------------------
@@ -54,9 +54,7 @@ def resolve_op(op: int | None, average: bool | None = None) -> ReduceOp:
         warnings.warn("the average argument is deprecated; pass op=Average or op=Sum instead",
                       DeprecationWarning, stacklevel=3)
         return _AVERAGE if average else _SUM
-    if op == _ADASUM:
-        raise NotImplementedError("op=Adasum is not implemented in hora yet; use Average or Sum")
-    raise ValueError(f"unknown reduce op {op!r}; use hora.Average, Sum, Min, Max or Product")
+    raise ValueError(f"unknown reduce op {op!r}; use hora.Average, Sum, Adasum, Min, Max or Product")
 
 
 def check_sum_or_average(op: int | None, what: str) -> ReduceOp:

@@ -186,8 +186,9 @@ def test_allreduce_argument_errors(solo):
     x = np.ones(3, np.float32)
     with pytest.raises(ValueError, match="not both"):
         hora.allreduce(x, average=True, op=hora.Sum)
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hora.allreduce(x, op=hora.Adasum)
+    np.testing.assert_array_equal(hora.allreduce(x, op=hora.Adasum), x)  # one rank: its own vector
+    with pytest.raises(TypeError, match="rank 0: op=Adasum reduces floating-point tensors"):
+        hora.allreduce(np.ones(3, np.int32), op=hora.Adasum)
     with pytest.raises(ValueError, match="op"):
         hora.allreduce(x, op=42)
     with pytest.raises(TypeError, match="dtype"):

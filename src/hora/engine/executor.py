@@ -14,13 +14,14 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
+from hora.engine import adasum
 from hora.engine.coordinator import Response
 from hora.engine.request import Kind, Request, Signature
 from hora.engine.timeline import Timeline
 from hora.transport.base import Communicator, ReduceOp
 
 # Enum members looked up once (attribute access on an Enum class is slow; these run per tensor or cycle).
-_AVERAGE, _SUM = ReduceOp.AVERAGE, ReduceOp.SUM
+_AVERAGE, _SUM, _ADASUM = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class Executor:
                 out[...] = item.request.buffer
                 self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
             _scale(out, sig.prescale)
-            self._transport(items, lambda: self.comm.allreduce(out.reshape(-1), op))
+            self._transport(items, lambda: self._reduce(out.reshape(-1), op, None))
             _scale(out, post)
             self._complete(item, out)
             return
@@ -277,7 +278,7 @@ class Executor:
             np.concatenate(inputs, out=fused)
         _scale(fused, sig.prescale)
         self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
-        self._transport(items, lambda: self.comm.allreduce(fused, op))
+        self._transport(items, lambda: self._reduce(fused, op, counts))
         self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", True)
         _scale(fused, post)
         # Small buckets: one new array for every result that has no place of its own yet.
@@ -296,6 +297,14 @@ class Executor:
                 self._complete(item, out)
             offset += count
         self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", False)
+
+    def _reduce(self, buf: np.ndarray, op: ReduceOp, counts: list[int] | None) -> None:
+        """One transport allreduce, or Adasum (not element-wise: it runs on top of the transport's
+        collectives, with each tensor of ``counts`` keeping its own coefficients)."""
+        if op is _ADASUM:
+            adasum.allreduce(self.comm, buf, counts)
+        else:
+            self.comm.allreduce(buf, op)
 
     @staticmethod
     def _output_of(item: Item, dtype: np.dtype) -> np.ndarray:
