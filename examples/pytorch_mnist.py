@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--use-mixed-precision", action="store_true", default=False,
                         help="use mixed precision for training (needs CUDA)")
     parser.add_argument("--use-adasum", action="store_true", default=False,
-                        help="use adasum algorithm to do reduction (not supported by hora yet)")
+                        help="use adasum algorithm to do reduction (see adasum_pytorch_mnist.py)")
     parser.add_argument("--gradient-predivide-factor", type=float, default=1.0,
                         help="apply gradient predivide factor in optimizer (default: 1.0)")
     parser.add_argument("--num-threads", type=int, default=None, metavar="N",
@@ -162,9 +162,6 @@ def test(model, test_loader, test_sampler, device) -> tuple[float, float]:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    if args.use_adasum:
-        raise SystemExit("--use-adasum: hora does not implement Adasum yet; run without it "
-                         "(gradients are then averaged)")
     if args.use_mixed_precision and not args.cuda:
         raise SystemExit("--use-mixed-precision needs CUDA (torch.cuda.is_available() is False here)")
     started = time.perf_counter()
@@ -194,8 +191,9 @@ def main(argv=None) -> float:
         test_dataset, batch_size=args.test_batch_size, sampler=test_sampler, **loader_kwargs)
 
     model = Net().to(device)
-    # The global batch is size() times the per-worker batch: scale the learning rate with it.
-    lr_scaler = hvd.size()
+    # The global batch is size() times the per-worker batch: scale the learning rate with it
+    # (not with Adasum, which adds the workers' updates only where they are orthogonal).
+    lr_scaler = 1 if args.use_adasum else hvd.size()
     optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 
     # Every replica starts from rank 0's weights and optimizer state.
@@ -204,7 +202,7 @@ def main(argv=None) -> float:
 
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Average,
+                                         compression=compression, op=hvd.Adasum if args.use_adasum else hvd.Average,
                                          gradient_predivide_factor=args.gradient_predivide_factor)
     scaler = torch.amp.GradScaler("cuda") if args.use_mixed_precision else None
 

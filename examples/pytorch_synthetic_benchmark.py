@@ -124,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CPU threads per worker (default: the host's cores divided among its workers)")
     parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
     parser.add_argument("--use-adasum", action="store_true", default=False,
-                        help="use adasum algorithm to do reduction (not supported by hora yet)")
+                        help="use adasum algorithm to do reduction")
     parser.add_argument("--use-mixed-precision", action="store_true", default=False,
                         help="use mixed precision for training (float16 autocast with a gradient scaler; needs CUDA)")
     args = parser.parse_args(argv)
@@ -139,9 +139,6 @@ def log(text: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.use_adasum:
-        raise SystemExit("--use-adasum: hora does not implement Adasum yet (DistributedOptimizer(op=hvd.Adasum) "
-                         "raises NotImplementedError); run without it to average gradients")
     if args.use_mixed_precision and not args.cuda:
         raise SystemExit("--use-mixed-precision needs CUDA (torch.cuda.is_available() is False here); "
                          "on CPU, run without it")
@@ -158,10 +155,10 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(1234 + hvd.rank())  # different on purpose: the broadcast below makes them equal
     model = MODELS[args.model]().to(device)
-    optimizer = optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    optimizer = optim.SGD(model.parameters(), lr=0.01 * (1 if args.use_adasum else hvd.size()))
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Average)
+                                         compression=compression, op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from hora import basics, collectives, horovod_args
-from hora.basics import Average, ProcessSet, global_process_set
+from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
 from hora.torch import mpi_ops
@@ -335,7 +335,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     compression = horovod_args.check_compression(compression)
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = optimizer.__class__
-    cls = type(base.__name__, (_DistributedOptimizer, base),
+    mixin = _DistributedOptimizer
+    if reduction.op == Adasum:  # Horovod's Adasum optimizer: the deltas of a local step are reduced
+        from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer as mixin
+    cls = type(base.__name__, (mixin, base),
                {"__module__": base.__module__, "__qualname__": base.__qualname__})
     wrapped = cls.__new__(cls)
     # Leave behind instance attributes that would shadow the wrapper's methods: an LR scheduler built
