@@ -1,9 +1,9 @@
 """op=Adasum through hora's public API on real multi-process jobs, against a plain NumPy reference.
 
-One job per world size and transport (2 ranks on shared memory, 3 on shared memory and on TCP, 4 on
-two hosts): every section computes on every rank, and the test checks
+One job per world size and transport (2 ranks on shared memory, 3 on shared memory and on TCP, 2+2
+and 2+1 on two emulated hosts): every section computes on every rank, and the test checks
 each rank's result against ``adasum_reference.tree`` of all ranks' inputs (regenerated here from the
-same seeds). The 4-rank job runs on two emulated hosts of two ranks (``HORA_HOST_ID``) with
+same seeds). The host jobs run on two emulated hosts (``HORA_HOST_ID``; 2+2 and 2+1 ranks) with
 hierarchical allreduce on, so it checks hierarchical Adasum (host averages, Adasum across hosts) and,
 with the hierarchy switched off at the same point on every rank, the flat 4-rank tree.
 """
@@ -80,7 +80,17 @@ def _sections() -> list[tuple[str, Any]]:
                 out[label] = f"{type(exc).__name__}: {exc}"
         return out
 
-    sections += [("fused", fused), ("grouped", grouped), ("in_place", in_place), ("scaled", scaled),
+    def process_set():  # the first and the last rank only (with 2 ranks, that is the global set)
+        ps = hora.add_process_set([0, hora.size() - 1]) if hora.size() > 2 else hora.global_process_set
+        try:
+            if not ps.included():
+                return None
+            return hora.allreduce(rank_input(r, (30,), np.float64, seed=7), op=hora.Adasum, name="ps", process_set=ps)
+        finally:
+            if ps is not hora.global_process_set:
+                hora.remove_process_set(ps)
+
+    sections += [("process_set", process_set), ("fused", fused), ("grouped", grouped), ("in_place", in_place), ("scaled", scaled),
                  ("zero", zero_on_rank_0), ("errors", errors)]
     return sections
 
@@ -138,6 +148,13 @@ def test_adasum_in_place_and_scale_factors(job: JobResults) -> None:
     _check(job.all("zero"), tree(zero_in), "float64")
 
 
+def test_adasum_on_a_process_set(job: JobResults) -> None:
+    got = job.all("process_set")
+    members = [0, job.size - 1]
+    assert all(g is None for r, g in enumerate(got) if r not in members)
+    _check([got[r] for r in members], tree([rank_input(r, (30,), np.float64, seed=7) for r in members]), "float64")
+
+
 def test_adasum_bad_input_fails_on_every_rank_naming_it(job: JobResults) -> None:
     for rank, errors in enumerate(job.all("errors")):
         for label in ("int", "bool"):
@@ -146,9 +163,9 @@ def test_adasum_bad_input_fails_on_every_rank_naming_it(job: JobResults) -> None
         assert errors["reducescatter"] == "ValueError: reducescatter: hora supports op=Average and op=Sum only"
 
 
-# ---- 4 ranks on two emulated hosts: hierarchical, then flat --------------------------------------
+# ---- two emulated hosts (2 + 2 and 2 + 1 ranks): hierarchical, then flat -------------------------
 
-HOSTS = [[0, 1], [2, 3]]
+LAYOUTS = {"2+2": [[0, 1], [2, 3]], "2+1": [[0, 1], [2]]}
 
 
 def _two_host_main() -> dict[str, Any]:
@@ -173,23 +190,25 @@ def _two_host_main() -> dict[str, Any]:
         hora.shutdown()
 
 
-@pytest.fixture(scope="module")
-def two_hosts() -> JobResults:
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def two_hosts(request) -> JobResults:
     env = {**JOB_ENV, "HORA_HIERARCHICAL_ALLREDUCE": "1"}
-    return JobResults(hora.run(_two_host_main, np=4, env=env))
+    results = JobResults(hora.run(_two_host_main, np=sum(map(len, LAYOUTS[request.param])), env=env))
+    results.hosts = LAYOUTS[request.param]
+    return results
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_adasum_hierarchical_two_hosts_of_two(two_hosts: JobResults, dtype: str) -> None:
+def test_adasum_hierarchical_two_hosts(two_hosts: JobResults, dtype: str) -> None:
     got = two_hosts.all("hierarchical")
     assert all(g["kind"] == "HierarchicalCommunicator" for g in got), [g["kind"] for g in got]
-    inputs = _inputs(4, (333,), np.dtype(dtype))
-    _check([g["values"][dtype] for g in got], hierarchical(inputs, HOSTS), dtype)
+    inputs = _inputs(two_hosts.size, (333,), np.dtype(dtype))
+    _check([g["values"][dtype] for g in got], hierarchical(inputs, two_hosts.hosts), dtype)
     # Not the flat tree: the hosts' ranks were averaged, not Adasum-combined.
     assert not np.allclose(got[0]["values"][dtype].astype(np.float64), tree(inputs).astype(np.float64),
                            rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_adasum_flat_four_ranks(two_hosts: JobResults, dtype: str) -> None:
-    _check([g[dtype] for g in two_hosts.all("flat")], tree(_inputs(4, (333,), np.dtype(dtype))), dtype)
+def test_adasum_flat_with_the_hierarchy_switched_off(two_hosts: JobResults, dtype: str) -> None:
+    _check([g[dtype] for g in two_hosts.all("flat")], tree(_inputs(two_hosts.size, (333,), np.dtype(dtype))), dtype)
