@@ -4,6 +4,9 @@ DistributedGradientTape(op=Adasum) gives the Adasum of the ranks' gradients (Hor
 gradients with the op it is given). hora.keras.DistributedOptimizer(op=Adasum) does the same before
 the wrapped optimizer applies them, as Horovod's Keras optimizer does; with plain SGD the update is then
 exactly the Adasum of the ranks' local deltas (Adasum commutes with scaling by -lr), which is checked.
+hora.tensorflow.DistributedOptimizer(op=Adasum) on a ``tf.compat.v1.train`` optimizer is Horovod's Adasum
+optimizer: a local step, then the weight deltas combined (checked with Adam, whose deltas are not
+proportional to its gradients).
 """
 
 from __future__ import annotations
@@ -63,7 +66,21 @@ def _sections():
         model.train_on_batch(x, y)
         return {"start": start, "own": own, "after": model.get_weights()}
 
-    return [("tape", tape), ("keras", keras_optimizer)]
+    def v1_optimizer():
+        # Adam's first step is about -lr * sign(g): the Adasum of the deltas is not the step of the
+        # Adasum of the gradients, so this tells the two semantics apart.
+        w, b = variables()
+        start = [w.numpy(), b.numpy()]
+        with tf.GradientTape() as local:
+            loss = loss_of(w, b)
+        tf.compat.v1.train.AdamOptimizer(0.05).apply_gradients(zip(local.gradient(loss, [w, b]), [w, b]))
+        delta = [w.numpy() - start[0], b.numpy() - start[1]]
+        w2, b2 = variables()
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(0.05), op=hvd.Adasum)
+        opt.minimize(lambda: loss_of(w2, b2), var_list=[w2, b2])
+        return {"start": start, "delta": delta, "after": [w2.numpy(), b2.numpy()]}
+
+    return [("tape", tape), ("keras", keras_optimizer), ("v1", v1_optimizer)]
 
 
 @pytest.fixture(scope="module")
@@ -86,5 +103,14 @@ def test_adasum_keras_step_is_adasum_of_the_ranks_deltas(job: JobResults) -> Non
     for i, start in enumerate(ranks[0]["start"]):
         deltas = [-LR * ranks[r]["own"][i] for r in range(2)]  # each rank's plain local SGD step
         expected = start + pair(deltas[0], deltas[1])
+        for rank, got in enumerate(ranks):
+            np.testing.assert_allclose(got["after"][i], expected, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+
+
+@pytest.mark.timeout(180)
+def test_adasum_tf1_optimizer_combines_local_deltas(job: JobResults) -> None:
+    ranks = job.all("v1")
+    for i, start in enumerate(ranks[0]["start"]):
+        expected = start + pair(ranks[0]["delta"][i], ranks[1]["delta"][i])
         for rank, got in enumerate(ranks):
             np.testing.assert_allclose(got["after"][i], expected, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")

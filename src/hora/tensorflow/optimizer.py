@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from hora import basics, horovod_args, keras_wrapper
-from hora.basics import Average, ProcessSet, global_process_set
+from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.tensorflow.aggregation import V1GradientAggregator
 from hora.tensorflow.gradients import GradientAllreducer, ReducesGradients
@@ -87,7 +87,13 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = type(optimizer)
     prefix = name if name is not None else f"Distributed{base.__name__}"
-    cls = type(base.__name__, (_DistributedV1Optimizer, base), {"__module__": base.__module__})
+    mixin = _DistributedV1Optimizer
+    if horovod_args.resolve_op(op) == Adasum:  # Horovod's Adasum optimizer: the deltas of a local step
+        if passes > 1:
+            raise ValueError("op=Adasum with a tf.compat.v1 optimizer takes backward_passes_per_step=1 in hora "
+                             "(accumulate gradients yourself before apply_gradients)")
+        from hora.tensorflow.adasum_optimizer import _DistributedAdasumV1Optimizer as mixin
+    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hora_bind(GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
