@@ -27,6 +27,7 @@ commands:
   check   show hora's version, transports, frameworks and configuration
   bench   run hora's benchmarks:          hora bench --help
   timeline  summarise a timeline:         hora timeline trace.json [--plot out.png]
+  discover  print host:slots lines:       hora discover kubernetes --service NAME --slots N
 
 `hora <command> --help` describes each command's options.
 """
@@ -58,7 +59,11 @@ def _dispatch(args: list[str]) -> int:
     if command == "timeline":
         from hora.timeline_report import main as timeline_main
         return timeline_main(rest)
-    print(f"hora: error: unknown command {command!r} (choose from run, check, bench, timeline)", file=sys.stderr)
+    if command == "discover":
+        from hora.runner.discover import main as discover_main
+        return discover_main(rest)
+    print(f"hora: error: unknown command {command!r} (choose from run, check, bench, timeline, discover)",
+          file=sys.stderr)
     sys.stderr.write(USAGE)
     return 2
 
