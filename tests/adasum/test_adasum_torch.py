@@ -116,11 +116,11 @@ def test_adasum_optimizer_refuses_predivide(job: JobResults) -> None:
     assert job.all("refusals") == ["gradient_predivide_factor other than 1.0 needs op=Average"] * 2
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(330)  # about 20 s on an idle 2-core machine; 2 minutes seen on a loaded one
 def test_adasum_pytorch_mnist_example_within_one_point_of_average() -> None:
     proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", "python", "examples/adasum_pytorch_mnist.py",
                            "--compare-average", "--num-threads", "1", "--log-interval", "1000"],
-                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=170)
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = dict(re.findall(r"Final test accuracy \((\w+)\): ([0-9.]+)%", proc.stdout))
     adasum, average = float(found["adasum"]), float(found["average"])
