@@ -1,0 +1,8 @@
+"""The deployment tests reuse the emulated cluster of tests/cluster (namespaces with sshd)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))
