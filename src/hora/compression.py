@@ -1,7 +1,7 @@
 """Gradient compression for every binding (Horovod's ``Compression`` namespace).
 
-One implementation serves torch tensors, TensorFlow tensors, the tensors of whichever Keras backend
-is active and NumPy arrays, so ``hvd.Compression.fp16`` means the same thing in ``hora.torch``,
+One implementation serves torch tensors, TensorFlow tensors, MXNet NDArrays, the tensors of whichever
+Keras backend is active and NumPy arrays, so ``hvd.Compression.fp16`` means the same thing in ``hora.torch``,
 ``hora.tensorflow`` and ``hora.keras`` on every backend. Importing it imports no framework: the cast
 is looked up from the tensor's own type when a tensor arrives (that framework is loaded by then).
 """
@@ -18,6 +18,8 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 def _dtype_name(tensor: Any) -> str:
     """'float32', 'int64', ... for a NumPy array, a torch or tf.Tensor, or a backend tensor."""
     dtype = tensor.dtype
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):  # MXNet NDArrays give numpy scalar types
+        return np.dtype(dtype).name
     name = getattr(dtype, "name", None)
     return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
 
@@ -34,6 +36,10 @@ def _cast(tensor: Any, dtype: str) -> Any:
         import tensorflow as tf
 
         return tf.cast(tensor, dtype)
+    if type(tensor).__module__.startswith("mxnet"):
+        return tensor.astype(dtype)
+    if type(tensor).__module__.startswith(("jax", "jaxlib")):  # jax.Arrays and jit tracers (hora.jax)
+        return tensor.astype(dtype)
     import keras  # any other tensor belongs to the active Keras backend
 
     return keras.ops.cast(tensor, dtype)

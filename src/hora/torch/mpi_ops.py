@@ -14,33 +14,15 @@ import torch
 
 from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, Sum, global_process_set
-from hora.engine.request import Handle
+from hora.handles import ConvertingHandle
 from hora.torch.compression import Compression
 from hora.torch.tensors import as_array, check_dtype, from_array, shares_memory
 
 
-class TorchHandle:
+class TorchHandle(ConvertingHandle):
     """What the ``_async`` collectives return: pass it to :func:`poll` or :func:`synchronize`."""
 
-    __slots__ = ("_inner", "_finish", "_done", "_value")
-
-    def __init__(self, inner: Handle | list[Handle], finish: Callable[[Any], Any]) -> None:
-        self._inner = inner
-        self._finish = finish
-        self._done = False
-        self._value: Any = None
-
-    def poll(self) -> bool:
-        if isinstance(self._inner, list):
-            return all(h.done() for h in self._inner)
-        return self._inner.done()
-
-    def wait(self) -> Any:
-        if not self._done:
-            raw = [h.wait() for h in self._inner] if isinstance(self._inner, list) else self._inner.wait()
-            self._value = self._finish(raw)
-            self._done = True
-        return self._value
+    __slots__ = ()
 
 
 class SparseHandle(TorchHandle):

@@ -1,0 +1,54 @@
+"""MXNet NDArrays as the engine's NumPy buffers.
+
+hora's engine reduces NumPy arrays. An NDArray's memory belongs to MXNet's asynchronous engine, so
+it is read with ``asnumpy()`` (which waits for the operations that write it) and results are
+written back with ``nd[:] = array`` (which MXNet orders after every pending read). Horovod's MXNet
+collectives take dense NDArrays only; a sparse one is refused here, on the calling rank, before
+anything is submitted, so no peer is left waiting on a half-started collective.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import mxnet as mx
+import numpy as np
+
+from hora import basics
+
+
+def where() -> str:
+    """'rank R on HOST' for error messages (just 'HOST' before init)."""
+    try:
+        return f"rank {basics.rank()} on {socket.gethostname()}"
+    except ValueError:
+        return socket.gethostname()
+
+
+def check(tensor: mx.nd.NDArray, what: str) -> mx.nd.NDArray:
+    """``tensor`` if it is a dense NDArray; a TypeError/ValueError naming the rank otherwise."""
+    if not isinstance(tensor, mx.nd.NDArray):
+        raise TypeError(f"hora.mxnet.{what} ({where()}): expected an mxnet NDArray, got {type(tensor).__name__}")
+    if tensor.stype != "default":
+        raise ValueError(f"hora.mxnet.{what} ({where()}): got a sparse NDArray (storage type {tensor.stype!r}); "
+                         "Horovod's MXNet collectives take dense NDArrays only: pass tensor.tostype('default')")
+    return tensor
+
+
+def to_numpy(tensor: mx.nd.NDArray, what: str) -> np.ndarray:
+    """A C-contiguous host copy of a dense NDArray (waits for MXNet to finish writing it)."""
+    return np.ascontiguousarray(check(tensor, what).asnumpy())
+
+
+def from_numpy(array: np.ndarray, like: mx.nd.NDArray) -> mx.nd.NDArray:
+    """A new NDArray holding ``array``, on ``like``'s context."""
+    return mx.nd.array(array, ctx=like.context, dtype=array.dtype)
+
+
+def write_into(tensor: mx.nd.NDArray, array: np.ndarray) -> mx.nd.NDArray:
+    """Copy ``array`` into ``tensor`` in place and return ``tensor``.
+
+    Through an NDArray on the same context (an engine copy), not a raw host write: MXNet's MKL-DNN
+    build keeps convolution weights in its own memory layout, which refuses direct host copies."""
+    tensor[:] = from_numpy(array, tensor).astype(tensor.dtype, copy=False)
+    return tensor

@@ -1,0 +1,27 @@
+"""examples/mxnet_gluon_mnist.py under `hora run -np 2` in the MXNet venv reaches >= 95% on the digits."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+import mxnet_venv
+
+pytestmark = pytest.mark.timeout(1200)  # the first test may build the MXNet venv (pip, once per cache)
+
+
+def test_mxnet_gluon_mnist_two_workers():
+    exe = mxnet_venv.python()
+    proc = subprocess.run([exe, "-m", "hora", "run", "-np", "2", "python", "examples/mxnet_gluon_mnist.py"],
+                          cwd=str(mxnet_venv.ROOT), env=mxnet_venv.env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>:Test set")]
+    assert lines, proc.stdout[-3000:]
+    accuracy = float(re.search(r"Accuracy: ([0-9.]+)%", lines[-1]).group(1))
+    assert accuracy >= 95.0, lines[-1]
+    assert "on 2 workers" in lines[-1]
+    assert not any(line.startswith("[1]<stdout>:Test set") for line in proc.stdout.splitlines())
