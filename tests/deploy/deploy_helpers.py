@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -17,7 +18,17 @@ ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 GOPATH = "/usr/share/gocode"
 
 
+@functools.lru_cache(maxsize=None)
+def _renderer() -> tuple[str, ...]:
+    return tuple(_build_renderer())
+
+
 def renderer() -> list[str]:
+    """The chart renderer's command (built once per test session)."""
+    return list(_renderer())
+
+
+def _build_renderer() -> list[str]:
     """``helm template`` when helm is installed, else tests/deploy/helmrender built with Debian's Go
     and sprig (RuntimeError naming what is missing)."""
     if shutil.which("helm"):
@@ -27,7 +38,9 @@ def renderer() -> list[str]:
         raise RuntimeError("neither helm nor Go with sprig is installed "
                            "(apt-get install golang-go golang-github-masterminds-sprig-dev)")
     out = Path(tempfile.mkdtemp(prefix="hora-helmrender-")) / "helmrender"
-    env = dict(os.environ, GO111MODULE="off", GOPATH=GOPATH, GOFLAGS="", GOCACHE=str(out.parent / "cache"))
+    env = dict(os.environ, GO111MODULE="off", GOPATH=GOPATH, GOFLAGS="")
+    if "HOME" not in env and "GOCACHE" not in env:  # Go's build cache otherwise lives under $HOME
+        env["GOCACHE"] = str(out.parent / "cache")
     result = subprocess.run([go, "build", "-o", str(out), "main.go"], cwd=HERE / "helmrender", env=env,
                             capture_output=True, text=True, timeout=600)
     if result.returncode != 0:

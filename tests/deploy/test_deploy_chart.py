@@ -135,7 +135,6 @@ def test_deploy_gpu_elastic_eight_workers(rendered):
     ({"elastic": {"enabled": True, "minWorkers": 5, "maxWorkers": 3}},
      "elastic.minWorkers (5) is greater than elastic.maxWorkers (3)"),
     ({"command": []}, "command is required"),
-    ({"command": None}, "command is required"),
     ({"workers": 0}, "workers must be at least 1"),
 ])
 def test_deploy_bad_values_fail_at_render_time(tool, tmp_path, values, message):

@@ -34,9 +34,14 @@ func readYAML(path string) (map[string]interface{}, error) {
 	return out, nil
 }
 
-// merge overlays src on dst: maps merge key by key, anything else is replaced (Helm's coalescing).
+// merge overlays src on dst: maps merge key by key, anything else is replaced, and a null removes
+// the key (Helm's coalescing of user values over the chart's).
 func merge(dst, src map[string]interface{}) map[string]interface{} {
 	for key, value := range src {
+		if value == nil {
+			delete(dst, key)
+			continue
+		}
 		if sub, ok := value.(map[string]interface{}); ok {
 			if have, ok := dst[key].(map[string]interface{}); ok {
 				dst[key] = merge(have, sub)
