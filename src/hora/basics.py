@@ -211,7 +211,15 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    return 0
+    """NCCL's version code (e.g. 23203 for 2.32.3) when the NCCL library loads, else 0.
+
+    Horovod answers whether it was compiled with NCCL; hora binds NCCL at run time, so the answer
+    is whether the library is installed (``hora[cuda]``). It needs no GPU: ``hora check`` says
+    whether the device path is also usable (CUDA driver and device) and why not.
+    """
+    from hora.nccl.library import nccl_version
+
+    return nccl_version()
 
 
 def ccl_built() -> bool:
@@ -223,7 +231,11 @@ def ddl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
+    """Whether hora's GPU path is installed: NCCL and the CUDA runtime both load (``hora[cuda]``; no GPU needed)."""
+    from hora.nccl.cudart import runtime_installed
+    from hora.nccl.library import nccl_version
+
+    return nccl_version() > 0 and runtime_installed()
 
 
 def rocm_built() -> bool:

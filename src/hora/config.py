@@ -139,6 +139,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("stall_shutdown_time_seconds", 0.0, _parse_nonneg_float,
          "Seconds before a stalled request fails the job (0: never)."),
     Knob("hierarchical_allreduce", False, _parse_bool, "Reduce within hosts first, then across hosts."),
+    Knob("nccl", "auto", _parse_str,
+         "CUDA tensors: auto (NCCL on the device when usable, else through host memory), off, or require "
+         "(an error when NCCL cannot take a CUDA tensor); see hora.nccl.path."),
     Knob("autotune", False, _parse_bool,
          "Tune fusion threshold, cycle time, the response cache and hierarchical allreduce while training."),
     Knob("autotune_log", None, _parse_str, "CSV file the autotuner logs its trials to."),

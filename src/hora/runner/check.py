@@ -71,6 +71,31 @@ def binding_lines() -> list[str]:
     return ["hora (NumPy)"] + [name for name, module in bindings if importlib.util.find_spec(module) is not None]
 
 
+def nccl_lines() -> list[str]:
+    """Whether CUDA tensors can use NCCL here, and why not (no library, no driver, no GPU, HORA_NCCL=off)."""
+    try:
+        from hora.nccl.library import decode_version, nccl_status, nccl_version
+        from hora.nccl.path import parse_mode
+
+        code = nccl_version()
+        usable, why = nccl_status()
+    except Exception as exc:  # noqa: BLE001 - a broken install is exactly what check must show
+        return [f"NCCL (GPU tensors): no (hora.nccl does not load: {exc})"]
+    try:
+        mode = parse_mode(config.get("nccl"))
+    except ValueError as exc:
+        return [f"NCCL (GPU tensors): HORA_NCCL is invalid: {exc}"]
+    built = f"NCCL {decode_version(code)}, nccl_built() == {code}" if code else "not installed, nccl_built() == 0"
+    lines = [f"NCCL (GPU tensors): {built}; usable: {'yes' if usable and mode != 'off' else 'no'} ({why})"]
+    if mode == "off":
+        lines.append("  HORA_NCCL=off: CUDA tensors are copied through host memory")
+    elif not usable:
+        lines.append("  CUDA tensors: copied through host memory to the transports above")
+    else:
+        lines.append(f"  CUDA tensors: reduced by NCCL on the device (HORA_NCCL={mode})")
+    return lines
+
+
 def report_lines() -> list[str]:
     """The whole report, ready to print."""
     lines = [
@@ -83,8 +108,7 @@ def report_lines() -> list[str]:
     lines.append("")
     lines.append("Available transports:")
     lines += ["  " + line for line in transport_lines()]
-    lines.append("  GPU tensors: copied through host memory (hora has no GPU transport yet: "
-                 "no NCCL, nccl_built() == 0)")
+    lines += ["  " + line for line in nccl_lines()]
     lines.append("")
     lines.append("Available frameworks:")
     for module, distributions in _FRAMEWORKS:

@@ -1,0 +1,128 @@
+"""One NCCL communicator per process set, its unique id carried by hora's authenticated rendezvous.
+
+NCCL forms a communicator from a 128-byte ``ncclUniqueId`` that one member makes and every member
+passes to ``ncclCommInitRank``. The id holds the address NCCL's bootstrap listens on, so it must
+reach exactly the job's ranks: it travels through the job's rendezvous store, whose connections
+are authenticated with the job secret (the same store the world was formed through). The first
+member of the set publishes it under a key naming the world's round, the set and an epoch; the
+others wait for that key within a bounded time.
+
+Communicators are made lazily, the first time a set runs a device collective (a CPU-only job never
+touches NCCL), and destroyed when the set is removed or hora shuts down. A hierarchical allreduce
+also needs the host-local and cross-host communicators of the global set; they are sets too, keyed
+by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol
+
+from hora.errors import HoraError
+
+logger = logging.getLogger("hora")
+
+
+class Store(Protocol):
+    """The part of :class:`hora.rendezvous.client.RendezvousClient` used here."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str, timeout: float) -> bytes: ...
+
+
+class NcclBackend(Protocol):
+    """The NCCL calls bookkeeping needs (:class:`hora.nccl.library.Nccl` has them)."""
+
+    def unique_id(self) -> bytes: ...
+    def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int: ...
+    def comm_destroy(self, comm: int) -> None: ...
+
+
+@dataclass
+class DeviceComm:
+    """A live NCCL communicator: ``rank`` among ``size`` members of set ``key``."""
+
+    key: Hashable
+    comm: int
+    rank: int
+    size: int
+    epoch: int
+
+
+class CommunicatorTable:
+    """Communicators by process set, made on first use.
+
+    ``scope`` names the world (its rendezvous round) so that a re-formed world (elastic) never reads
+    a stale id; ``timeout`` bounds the wait for the first member's id.
+    """
+
+    def __init__(self, nccl: NcclBackend, store: Store, scope: str, timeout: float = 60.0,
+                 before_init: Callable[[], None] | None = None) -> None:
+        self._nccl = nccl
+        self._store = store
+        self._scope = scope
+        self._timeout = timeout
+        self._before_init = before_init  # selects the CUDA device (NCCL binds the current one)
+        self._comms: dict[Hashable, DeviceComm] = {}
+        self._epochs: dict[Hashable, int] = {}
+        self._lock = threading.Lock()
+
+    def key_for(self, key: Hashable, epoch: int) -> str:
+        return f"hora/nccl/{self._scope}/{key}/{epoch}"
+
+    def get(self, key: Hashable, members: list[int], my_rank: int) -> DeviceComm:
+        """The communicator of set ``key`` (global ranks ``members``), made on first use.
+
+        Every member calls this at the same point of the negotiated order, so the first member's
+        publish and the others' wait meet.
+        """
+        with self._lock:
+            comm = self._comms.get(key)
+            if comm is not None:
+                return comm
+            if my_rank not in members:
+                raise HoraError(f"rank {my_rank} is not in process set {key} (members {members})")
+            epoch = self._epochs.get(key, 0)
+            rank = members.index(my_rank)
+            store_key = self.key_for(key, epoch)
+            if rank == 0:
+                unique_id = self._nccl.unique_id()
+                self._store.set(store_key, unique_id)
+            else:
+                try:
+                    unique_id = self._store.get(store_key, self._timeout)
+                except Exception as exc:  # noqa: BLE001 - re-raised with the rank and set named
+                    raise HoraError(f"rank {my_rank}: no NCCL unique id for process set {key} from its first "
+                                    f"member (rank {members[0]}) within {self._timeout:.0f} s: {exc}") from exc
+            if self._before_init is not None:
+                self._before_init()
+            handle = self._nccl.comm_init_rank(len(members), unique_id, rank)
+            comm = DeviceComm(key, handle, rank, len(members), epoch)
+            self._comms[key] = comm
+            logger.debug("rank %d: NCCL communicator for set %s (rank %d of %d)", my_rank, key, rank, len(members))
+            return comm
+
+    def release(self, key: Hashable) -> None:
+        """Destroy set ``key``'s communicator (the set was removed); a later one uses a new epoch."""
+        with self._lock:
+            comm = self._comms.pop(key, None)
+            if comm is None:
+                return
+            self._epochs[key] = comm.epoch + 1
+        self._nccl.comm_destroy(comm.comm)
+
+    def close(self) -> None:
+        """Destroy every communicator (shutdown)."""
+        for key in list(self._comms):
+            try:
+                self.release(key)
+            except Exception as exc:  # noqa: BLE001 - shutdown goes on; the failure is logged
+                logger.warning("destroying the NCCL communicator of set %s failed: %s", key, exc)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._comms
+
+    def __len__(self) -> int:
+        return len(self._comms)

@@ -1,0 +1,80 @@
+"""NCCL on a real GPU: what one GPU allows (a one-rank communicator, every collective, the stream ordering).
+
+These run only where CUDA sees a GPU and libnccl and torch's CUDA build are installed; elsewhere
+they skip and say which of those is missing. Two ranks on one GPU are not tried here: NCCL refuses
+two ranks of one communicator on the same device ("Duplicate GPU detected").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hora.nccl import cudart, library
+from hora.nccl.communicators import DeviceComm
+from hora.nccl.device_tensor import describe
+from hora.nccl.ops import DeviceCollectives
+from hora.transport.base import ReduceOp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _gpu_skip_reason() -> str | None:
+    if not library.nccl_version():
+        return "no GPU test: libnccl is not installed (pip install \"hora[cuda]\")"
+    usable, why = cudart.cuda_status()
+    if not usable:
+        return f"no GPU test: {why}"
+    try:
+        import torch
+    except ImportError:
+        return "no GPU test: torch is not installed"
+    if not torch.cuda.is_available():
+        return "no GPU test: this torch build has no CUDA (torch.cuda.is_available() is False)"
+    return None
+
+
+_REASON = _gpu_skip_reason()
+pytestmark = [pytestmark, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    import torch
+
+    torch.cuda.set_device(0)
+    nccl = library.Nccl()
+    handle = nccl.comm_init_rank(1, nccl.unique_id(), 0)
+    ops = DeviceCollectives(cudart.CudaRuntime(), nccl, fusion_threshold=1 << 20)
+    yield torch, ops, DeviceComm("global", handle, 0, 1, 0)
+    ops.close()
+    nccl.comm_destroy(handle)
+
+
+def _run(torch, ops, body):
+    stream = torch.cuda.current_stream().cuda_stream
+    ops.run(stream, stream, body)
+
+
+def test_allreduce_with_scales_and_fusion_on_one_gpu(one_rank):
+    torch, ops, comm = one_rank
+    tensors = [torch.full((n,), 2.0, device="cuda") for n in (3, 100, 1 << 19)]
+    bufs = [describe(t) for t in tensors]
+    _run(torch, ops, lambda: ops.allreduce(comm, bufs, ReduceOp.AVERAGE, prescale=3.0, postscale=0.5))
+    for t in tensors:  # read on the framework's stream, which waits on hora's done event
+        assert torch.allclose(t, torch.full_like(t, 3.0))
+
+
+def test_data_movement_on_one_gpu(one_rank):
+    torch, ops, comm = one_rank
+    x = torch.arange(6, dtype=torch.float32, device="cuda")
+    out = torch.empty(6, device="cuda")
+    _run(torch, ops, lambda: ops.allgather(comm, describe(x), describe(out), [6]))
+    assert torch.equal(out, x)
+    _run(torch, ops, lambda: ops.broadcast(comm, describe(x), 0))
+    out2 = torch.empty(6, device="cuda")
+    _run(torch, ops, lambda: ops.alltoall(comm, describe(x), [6], describe(out2), [6]))
+    assert torch.equal(out2, x)
+    rs = torch.empty(6, device="cuda")
+    _run(torch, ops, lambda: ops.reducescatter(comm, describe(x), describe(rs), [6], ReduceOp.SUM))
+    assert torch.equal(rs, x)
