@@ -15,7 +15,9 @@ from typing import Any, Sequence
 from hora.engine.engine import Engine
 from hora.engine.request import Handle, Kind, Request, signature
 from hora.engine.timeline import Timeline
-from hora.errors import HoraError
+from hora import mpi as hora_mpi
+from hora.mpi import bootstrap as mpi_bootstrap
+from hora.mpi import ranks as mpi_ranks
 from hora.runtime import Coordinates, Joined, NotInRoundError, Runtime, assemble
 from hora.transport.base import ReduceOp
 
@@ -34,8 +36,8 @@ class ProcessSet:
     """A subset of ranks with its own negotiation; ``process_set_id`` is set once registered."""
 
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
-        if hasattr(ranks_or_comm, "Get_group"):
-            raise HoraError("process sets from MPI communicators need the MPI transport, which hora lacks yet")
+        if mpi_bootstrap.is_mpi_comm(ranks_or_comm):
+            ranks_or_comm = mpi_ranks.world_ranks(ranks_or_comm)
         ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"process set ranks must be distinct, got {list(ranks_or_comm)}")
@@ -98,9 +100,6 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
     with _ctx.lock:
         if _ctx.runtime is not None:
             return
-        if comm is not None and hasattr(comm, "Get_rank"):
-            raise HoraError("init(comm=<MPI communicator>) needs the MPI transport, which hora lacks yet; "
-                            "pass a list of ranks or start workers with `hora run`")
         try:
             runtime = assemble(comm, _ctx.last_joined)
         except NotInRoundError as exc:
@@ -191,15 +190,18 @@ def is_homogeneous() -> bool:
 # ---- what hora is built with: these tell the truth about hora's own transports ----------------
 
 def mpi_built() -> bool:
-    return False
+    """Whether hora can use MPI here (mpi4py is installed)."""
+    return hora_mpi.built()
 
 
 def mpi_enabled() -> bool:
-    return False
+    """Whether this job was formed over MPI (mpirun with mpi4py, init(comm=...)) or uses the MPI transport."""
+    return hora_mpi.enabled()
 
 
 def mpi_threads_supported() -> bool:
-    raise ValueError("MPI is not in use: hora's transport here is its built-in TCP ring")
+    """Whether MPI runs with MPI_THREAD_MULTIPLE; ValueError when MPI is not in use."""
+    return hora_mpi.threads_supported()
 
 
 def gloo_built() -> bool:

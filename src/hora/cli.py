@@ -122,6 +122,10 @@ def run_main(argv: Sequence[str]) -> int:
     if args.check_build:
         return check_main([])
     elastic = is_elastic(args)
+    if args.mpi_args is not None and not args.use_mpi:
+        return _usage_error("--mpi-args is passed to mpirun, so it needs --mpi")
+    if args.use_mpi and elastic:
+        return _usage_error("--mpi cannot run an elastic job (mpirun's world is fixed); leave out --mpi")
     if args.np is None and not (elastic and args.min_np is not None):
         return _usage_error("-np/--num-proc is required (the number of workers to start)")
     command = args.command
@@ -146,6 +150,16 @@ def run_main(argv: Sequence[str]) -> int:
     for slot in job.slots:
         logger.info("rank %d on %s: local rank %d of %d, cross rank %d of %d", slot.rank,
                     slot.hostname, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size)
+    if args.use_mpi:
+        from hora.mpi.launch import run_job
+
+        try:
+            with job:
+                return run_job(job, hosts, args.np, command, knob_environment(args), args.mpi_args,
+                               args.output_filename)
+        except LaunchError as exc:
+            print(f"hora run: error: {exc}", file=sys.stderr)
+            return 1
     try:
         with job:
             outcome = job.run(handle_signals=True)

@@ -120,8 +120,15 @@ KNOBS: tuple[Knob, ...] = (
          "Largest shared-memory segment per rank; larger messages go through it in chunks.",
          horovod_alias=False),
     Knob("transport", "auto", _parse_str,
-         "Transport between ranks: auto (shared memory within a host, TCP otherwise), shm or tcp.",
+         "Transport between ranks: auto (shared memory within a host, TCP otherwise), shm, tcp or mpi "
+         "(MPI through mpi4py; the job must run under mpirun or be given a communicator).",
          horovod_alias=False),
+    Knob("mpi_bootstrap", "auto", _parse_str,
+         "How a job started by mpirun/srun finds rank 0's rendezvous: auto (mpi4py when usable, else a "
+         "file), mpi4py, or file (see mpi_rendezvous_dir).", horovod_alias=False),
+    Knob("mpi_rendezvous_dir", None, _parse_str,
+         "Directory, shared by every host of the job, where rank 0 of a job started by mpirun/srun "
+         "without mpi4py announces its rendezvous (default ~/.hora/rendezvous).", horovod_alias=False),
     Knob("socket_buffer_bytes", 4 * MiB, _parse_nonneg_int,
          "SO_SNDBUF/SO_RCVBUF for peer sockets (0 keeps the OS default).", horovod_alias=False),
     Knob("host_id", None, _parse_str,
@@ -218,26 +225,6 @@ def env_for(name: str, value: Any, with_alias: bool = True) -> dict[str, str]:
     if with_alias and entry.alias is not None:
         out[entry.alias] = text
     return out
-
-
-_FOREIGN_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
-
-
-def foreign_launcher_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
-    """(variable, size) when another launcher (mpirun, srun) started this process as one of several.
-
-    hora cannot join such a job without its own rendezvous; callers refuse to run it as N separate
-    one-process jobs, which would silently train N unsynchronised models.
-    """
-    env = os.environ if environ is None else environ
-    for var in _FOREIGN_WORLD_SIZE:
-        try:
-            size = int(env.get(var, "0"))
-        except ValueError:
-            continue
-        if size > 1:
-            return var, size
-    return None
 
 
 def environ_copy() -> dict[str, str]:

@@ -19,7 +19,7 @@ import itertools
 import logging
 import socket
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from hora import config
 from hora.engine.autotune import AutotuneConfig
@@ -30,6 +30,8 @@ from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import RendezvousServer
+from hora.mpi import bootstrap as mpi_bootstrap
+from hora.mpi import state as mpi_state
 from hora.runner import identity
 from hora.transport import world as world_formation
 from hora.transport import create_communicator
@@ -194,14 +196,20 @@ def _plan_text(opened: Round) -> str:
     return ",".join(f"{host}:{slots}" for host, slots in opened.hosts)
 
 
-def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
+def assemble(comm: Sequence[int] | Any | None, previous: Joined | None) -> Runtime:
     """Join the job and build everything ``init()`` provides; on failure close what was built.
 
-    ``comm`` limits the world to those ranks (of the round); ``previous`` is what the last runtime of
+    ``comm`` limits the world to those ranks (of the round), or is an mpi4py communicator whose
+    members form the world (:mod:`hora.mpi.bootstrap`); ``previous`` is what the last runtime of
     this process joined (None at the first ``init()``).
     """
     _set_log_level()
-    me = identity.for_init()
+    if mpi_bootstrap.is_mpi_comm(comm):
+        me: identity.WorkerIdentity | None = mpi_bootstrap.identity_from_comm(comm)  # its ranks are the world
+        comm = None
+    else:
+        me = identity.for_init()
+    mpi_state.mark_in_use(False)
     server: RendezvousServer | None = None
     store: RendezvousClient | None = None
     world: Communicator | None = None
@@ -241,6 +249,8 @@ def assemble(comm: Sequence[int] | None, previous: Joined | None) -> Runtime:
                     world = None
                 previous = Joined(current, private=False, job=me.job_id)
         coordinates = _coordinates(world, topology, me)
+        mpi_state.mark_in_use(world.name == "mpi" or (me is not None and mpi_state.base_comm() is not None
+                                                      and me.size == mpi_state.base_comm().Get_size()))
         tuning = autotune_config()
 
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:

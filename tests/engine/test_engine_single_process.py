@@ -105,7 +105,10 @@ def test_reduce_op_constants_equal_horovods():
 
 
 def test_build_queries_tell_the_truth_about_the_tcp_transport():
-    assert hora.mpi_built() is False and hora.mpi_enabled() is False
+    import importlib.util
+
+    # mpi_built: hora can use MPI (mpi4py installed); a job of one started on its own does not use it
+    assert hora.mpi_built() is (importlib.util.find_spec("mpi4py") is not None) and hora.mpi_enabled() is False
     assert hora.gloo_built() is False and hora.gloo_enabled() is False
     assert hora.nccl_built() == 0 and isinstance(hora.nccl_built(), int)
     for query in (hora.ccl_built, hora.ddl_built, hora.cuda_built, hora.rocm_built):
@@ -266,21 +269,6 @@ def test_timeline_start_and_stop_at_size_1(solo, tmp_path):
     names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert "traced" in names
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= {e["name"] for e in events}
-
-
-@pytest.mark.timeout(60)
-def test_init_refuses_a_foreign_launchers_multi_process_job() -> None:
-    """Under mpirun/srun without hora's rendezvous, init() must not run N separate one-rank jobs."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env["OMPI_COMM_WORLD_SIZE"] = "2"
-    proc = subprocess.run([sys.executable, "-c", "import hora; hora.init()"], env=env,
-                          capture_output=True, text=True, timeout=50)
-    assert proc.returncode != 0
-    assert "OMPI_COMM_WORLD_SIZE=2" in proc.stderr and "hora run" in proc.stderr, proc.stderr
 
 
 def test_unnamed_collectives_never_share_a_name_and_count_again_after_a_join(solo):

@@ -60,9 +60,7 @@ def test_every_horovodrun_option_is_known_to_hora_run():
     (["--blacklist-cooldown-range", "10", "100"], "--blacklist-cooldown-range: only applies to elastic"),
     (["--min-np", "3", "--max-np", "2"], "--min-np 3 is greater than --max-np 2"),
     (["--min-np", "3"], "-np 2 is outside the elastic bounds"),
-    (["--mpi"], "--mpi: hora has no MPI controller yet"),
     (["--jsrun"], "--jsrun: hora cannot start workers through jsrun"),
-    (["--mpi-args=--map-by ppr:6:node"], "--mpi-args: hora does not start workers through mpirun"),
     (["--binding-args=--rankfile f"], "--binding-args: process binding is done by mpirun"),
     (["--num-nccl-streams", "2"], "--num-nccl-streams: hora has no NCCL support yet"),
     (["--thread-affinity", "3"], "--thread-affinity: hora does not pin its background thread"),
@@ -210,7 +208,6 @@ def test_command_line_flags_win_over_the_config_file(tmp_path):
 
 @needs_yaml
 @pytest.mark.parametrize("text, fragment", [
-    ("controller: mpi\n", "controller: hora has no MPI controller yet"),
     ("controller: nccl\n", "controller: must be gloo or mpi, got 'nccl'"),
     ("params:\n  fusion_threshold_mb: lots\n", "params.fusion_threshold_mb: must be a non-negative number"),
     ("params:\n  hierarchical_allgather: true\n", "params.hierarchical_allgather: hora has no hierarchical"),
@@ -257,4 +254,4 @@ def test_verbose_says_why_accepted_flags_change_nothing(hora_run):
     assert result.returncode == 0, result.stderr
     assert "--gloo: hora's built-in controller, its only one, plays Gloo's part" in result.stderr
     assert "--disable-cache: hora keeps no cache of its start-up checks" in result.stderr
-    assert "--mpi-threads-disable: hora uses no MPI" in result.stderr
+    assert "--mpi-threads-disable: hora's MPI transport needs MPI_THREAD_MULTIPLE" in result.stderr

@@ -84,9 +84,13 @@ HOST_LAYOUTS: dict[str, list[tuple[int, ...]]] = {
     "hierarchical": [(1,), (1, 1), (2, 1), (1, 2), (2, 2)],
 }
 UNEVEN_RING_ONLY = (2, 1)
+# Transports whose workers mpirun must start (real Open MPI; --oversubscribe: CI has 2 cores).
+LAUNCHED_BY_MPIRUN = {"mpi": "--oversubscribe"}
 
 
 def _worlds(transport: str) -> list[World]:
+    if transport in LAUNCHED_BY_MPIRUN:  # the ring knobs and socket kinds are not the MPI library's
+        return [World(transport, n) for n in WORLD_SIZES]
     layouts = HOST_LAYOUTS.get(transport)
     if layouts is None:
         return [World(transport, n) for n in WORLD_SIZES] + [
@@ -104,8 +108,10 @@ def _job_results(world: World) -> list[dict[str, Any]] | BaseException:
     if world.name not in _JOBS:
         env = {"HORA_TRANSPORT_TIMEOUT": str(JOB_TRANSPORT_TIMEOUT_S), **dict(world.env)}
         try:
+            mpi_args = LAUNCHED_BY_MPIRUN.get(world.transport)
             _JOBS[world.name] = hora.run(
-                conformance_worker, args=(world.transport, world.knobs, world.hosts), np=world.size, env=env)
+                conformance_worker, args=(world.transport, world.knobs, world.hosts), np=world.size, env=env,
+                use_mpi=mpi_args is not None or None, mpi_args=mpi_args)
         except Exception as exc:  # noqa: BLE001 - every case of this world reports it
             _JOBS[world.name] = exc
     return _JOBS[world.name]

@@ -78,8 +78,8 @@ def run(
     (``"eth0"``, ``"eth0,ib0"`` or a list; names or addresses) is what ``hora run
     --network-interfaces`` takes. ``use_gloo`` and ``disable_cache`` are accepted and change
     nothing (hora's built-in controller is its only one; it caches no start-up checks). What
-    hora does not have yet is refused with a :class:`ConfigError` (a ``ValueError``) before
-    anything starts: ``use_mpi`` and ``mpi_args``.
+    ``use_mpi=True`` starts the workers through ``mpirun`` (``mpi_args`` is added to its command
+    line; see :mod:`hora.mpi.launch`) instead of hora's own launcher.
 
     Elastic jobs (docs/elastic.md): giving ``min_num_proc``/``min_np``, ``max_num_proc``/``max_np``
     or ``discovery`` runs the job under the elastic driver, as ``hora run --min-np/--max-np`` does.
@@ -101,7 +101,7 @@ def run(
     """
     if not callable(func):
         raise TypeError(f"hora.run needs a callable, got {type(func).__name__}")
-    refuse_unsupported("hora.run", use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
+    refuse_unsupported("hora.run", allow_mpi=True, use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
     low = _same("min_num_proc", min_num_proc, "min_np", min_np)
     high = _same("max_num_proc", max_num_proc, "max_np", max_np)
     elastic = low is not None or high is not None or discovery is not None
@@ -129,6 +129,14 @@ def run(
         network_interface = network_interface.split(",")
     interfaces = [name.strip() for name in network_interface or () if name.strip()] or None
 
+    if use_mpi and elastic:
+        raise ConfigError("hora.run: use_mpi cannot run an elastic job (mpirun's world is fixed); leave "
+                          "use_mpi out for elastic jobs")
+    if use_mpi:
+        with _verbose_logging(bool(verbose)):
+            return _run_through_mpirun(host_list, size, command, payload, extra_env, mpi_args, output_filename,
+                                       interfaces, SshOptions.from_config(port=ssh_port,
+                                                                          identity_file=ssh_identity_file))
     if elastic:
         request = ElasticRequest.build(
             size, low, high,
@@ -154,6 +162,29 @@ def run(
             outcome = job.run(handle_signals=False)
             blobs = {slot.rank: job.store.try_get(result_key(slot.rank)) for slot in job.slots}
             hostnames = {slot.rank: slot.hostname for slot in job.slots}
+    return _collect(outcome, blobs, hostnames)
+
+
+def _run_through_mpirun(hosts: Sequence[Any], size: int, command: list[str], payload: bytes,
+                        extra_env: dict[str, str], mpi_args: str | None, output_dir: str | None,
+                        interfaces: list[str] | None, ssh: SshOptions) -> list[Any]:
+    """``use_mpi=True``: mpirun starts the function's workers; results come from the store as usual."""
+    from hora.mpi.launch import run_job
+    from hora.runner.launch import WorkerExit
+
+    job = Job(hosts, size, command, network_interfaces=interfaces, ssh=ssh)
+    with job:
+        job.store.set(SYS_PATH_KEY, json.dumps([p for p in sys.path if isinstance(p, str)]).encode())
+        job.store.set(FUNC_KEY, payload)
+        status = run_job(job, hosts, size, command, extra_env, mpi_args, output_dir)
+        blobs = {slot.rank: job.store.try_get(result_key(slot.rank)) for slot in job.slots}
+        hostnames = {slot.rank: slot.hostname for slot in job.slots}
+    outcome = JobOutcome(size=size)
+    if status != 0:
+        failed = [r for r, b in sorted(blobs.items()) if b is not None and cloudpickle.loads(b)[0] == "error"]
+        rank = failed[0] if failed else next((r for r, b in sorted(blobs.items()) if b is None), 0)
+        outcome.failure = WorkerExit(rank, hostnames[rank], status,
+                                     detail=None if failed else f"ended under mpirun, which exited with status {status}")
     return _collect(outcome, blobs, hostnames)
 
 
@@ -202,15 +233,17 @@ def _resolve_num_proc(num_proc: int | None, np: int | None) -> int:
     return size
 
 
-def refuse_unsupported(where: str, **options: Any) -> None:
-    """ConfigError naming the first option that asks for something hora does not have yet (the
-    rule every function-launching front end shares: hora.run, hora.spark.run)."""
+def refuse_unsupported(where: str, allow_mpi: bool = False, **options: Any) -> None:
+    """ConfigError naming the first option that asks for something this front end cannot do (the
+    rule every function-launching front end shares: hora.run, which starts workers through mpirun
+    when asked (``allow_mpi``), and hora.spark.run, whose workers Spark starts)."""
     if options["use_gloo"] and options["use_mpi"]:
         raise ConfigError(f"{where}: use_gloo and use_mpi cannot both be set")
-    if options["use_mpi"]:
+    if options["use_mpi"] and not allow_mpi:
         raise UnsupportedOption(f"{where}: use_mpi: {NO_MPI_CONTROLLER}")
-    if options["mpi_args"] is not None:
-        raise UnsupportedOption(f"{where}: mpi_args: {NO_MPIRUN}")
+    if options["mpi_args"] is not None and not (allow_mpi and options["use_mpi"]):
+        raise UnsupportedOption(f"{where}: mpi_args: {NO_MPIRUN}" if not allow_mpi
+                                else f"{where}: mpi_args is given without use_mpi=True; it is mpirun's")
 
 
 def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapping[int, str]) -> list[Any]:

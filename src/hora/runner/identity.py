@@ -15,6 +15,7 @@ from typing import Mapping
 
 from hora import config
 from hora.errors import ConfigError, HoraError
+from hora.mpi import launcher_env
 from hora.runner.hosts import SlotInfo
 
 
@@ -38,7 +39,13 @@ def from_environment(environ: Mapping[str, str] | None = None) -> WorkerIdentity
     """
     values: dict[str, object] = {}
     missing: list[str] = []
+    launched = None if config.is_set("rank", environ) else launcher_env.detect(environ)
+    if launched is not None:
+        # `hora run --mpi`: the job's store comes from hora, each rank's place from mpirun.
+        values.update({item.name: getattr(launched, item.name) for item in fields(SlotInfo)})
     for item in fields(WorkerIdentity):
+        if item.name in values:
+            continue
         if not config.is_set(item.name, environ):
             missing.append(config.knob(item.name).env)
             continue
@@ -63,19 +70,19 @@ def is_worker(environ: Mapping[str, str] | None = None) -> bool:
 def for_init(environ: Mapping[str, str] | None = None) -> WorkerIdentity | None:
     """The identity ``init()`` joins its job with; None for a script started on its own.
 
-    A script started without a launcher forms a private size-1 job, but one started by another
-    launcher (mpirun, srun) as one of several processes is refused: running each process as its own
-    job would train unsynchronised models. A partial identity (``HORA_SIZE=4`` but no rendezvous
-    address, a missing secret...) is refused with the names of the missing variables.
+    A script started without a launcher forms a private size-1 job. One started by another launcher
+    (mpirun, mpiexec, srun) joins that launcher's job: its rank comes from the launcher's variables
+    and rank 0 serves the store (:mod:`hora.mpi.bootstrap`), or a clear error says why the ranks
+    cannot find each other. A partial identity (``HORA_SIZE=4`` but no rendezvous address, a
+    missing secret...) is refused with the names of the missing variables.
     """
+    if not config.is_set("rendezvous_addr", environ) and not config.is_set("rank", environ):
+        launched = launcher_env.detect(environ)
+        if launched is not None:
+            from hora.mpi.bootstrap import identity_from_launcher
+
+            return identity_from_launcher(launched)
     if not config.is_set("rendezvous_addr", environ):
-        foreign = config.foreign_launcher_world_size(environ)
-        if foreign is not None:
-            raise HoraError(
-                f"this process is one of {foreign[1]} started by another launcher ({foreign[0]}={foreign[1]}), "
-                "but hora joins only jobs started by `hora run` or hora.run(); running each process as "
-                "its own job would train unsynchronised models. Start it with `hora run -np N ...`"
-            )
         if config.get("size", environ) not in (None, 1):
             raise HoraError(f"{config.knob('size').env} is set but {config.knob('rendezvous_addr').env} "
                             "is not: start workers with `hora run`")

@@ -244,10 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     library = parser.add_argument_group("library options")
     threads = library.add_mutually_exclusive_group()
     threads.add_argument("--mpi-threads-disable", action="store_true", default=None,
-                         help="accepted: hora uses no MPI, so mpi4py is free to use MPI as it likes")
+                         help="accepted: hora leaves MPI's thread level as mpi4py sets it (MULTIPLE)")
     threads.add_argument("--no-mpi-threads-disable", dest="mpi_threads_disable",
-                         action="store_false", default=None, help="accepted: hora uses no MPI")
-    library.add_argument("--mpi-args", metavar="ARGS", help="refused: hora does not use mpirun")
+                         action="store_false", default=None, help="accepted: MPI_THREAD_MULTIPLE is kept")
+    library.add_argument("--mpi-args", metavar="ARGS",
+                         help="with --mpi: extra arguments for mpirun, added before the command")
     library.add_argument("--tcp", action="store_true", default=None,
                          help="TCP only: hora never uses InfiniBand; sets NCCL_IB_DISABLE=1 as Horovod does")
     library.add_argument("--binding-args", metavar="ARGS", help="refused: hora does not use mpirun")
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--gloo", dest="use_gloo", action="store_true", default=None,
                             help="accepted: hora's built-in controller (its only one) plays Gloo's part")
     controller.add_argument("--mpi", dest="use_mpi", action="store_true", default=None,
-                            help="refused: hora has no MPI controller yet")
+                            help="start the workers through mpirun (Open MPI or MPICH), as Horovod's --mpi")
     controller.add_argument("--jsrun", dest="use_jsrun", action="store_true", default=None,
                             help="refused: hora does not launch through jsrun")
 
@@ -290,9 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- what hora cannot honour yet -------------------------------------------------------------------
 
 # Why hora refuses what it does not have yet; shared with hora.run (:mod:`hora.runner.api`).
-NO_MPI_CONTROLLER = ("hora has no MPI controller yet; workers always use hora's built-in "
-                     "controller (the one --gloo and use_gloo name)")
-NO_MPIRUN = "hora does not start workers through mpirun, so there is nothing to pass MPI arguments to"
+NO_MPI_CONTROLLER = ("its workers are started by its own launcher, not mpirun; hora's built-in "
+                     "controller (the one --gloo and use_gloo name) runs them (hora.run and hora run "
+                     "take use_mpi/--mpi)")
+NO_MPIRUN = "its workers are not started through mpirun, so there is nothing to pass MPI arguments to"
 _ELASTIC_ONLY = ("only applies to elastic jobs; add --min-np/--max-np or --host-discovery-script "
                  "to make this one elastic")
 _NO_TIMESTAMPS = ("hora's log lines carry no timestamp; "
@@ -304,10 +306,8 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("elastic_timeout", None, _ELASTIC_ONLY),
     ("reset_limit", None, _ELASTIC_ONLY),
     ("blacklist_cooldown_range", None, _ELASTIC_ONLY),
-    ("use_mpi", True, NO_MPI_CONTROLLER),
     ("use_jsrun", True, "hora cannot start workers through jsrun (LSF); list the hosts with "
                         "-H or --hostfile and hora starts them itself"),
-    ("mpi_args", None, NO_MPIRUN),
     ("binding_args", None, "process binding is done by mpirun or jsrun, which hora does not use; "
                            "bind inside the command instead (e.g. taskset or numactl)"),
     ("num_nccl_streams", None, "hora has no NCCL support yet (GPU tensors travel through host "
@@ -323,7 +323,8 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
 _ALREADY_SO: tuple[tuple[str, Any, str], ...] = (
     ("disable_cache", True, "hora keeps no cache of its start-up checks; every run checks again"),
     ("use_gloo", True, "hora's built-in controller, its only one, plays Gloo's part"),
-    ("mpi_threads_disable", None, "hora uses no MPI, so there are no MPI threads to configure"),
+    ("mpi_threads_disable", None, "hora's MPI transport needs MPI_THREAD_MULTIPLE (its engine thread calls MPI "
+                                  "while the script may too), so hora leaves the thread level as mpi4py sets it"),
     ("hierarchical_allgather", False, "hora's allgather is never hierarchical"),
     ("log_with_timestamp", False, "hora's log lines carry no timestamp"),
 )

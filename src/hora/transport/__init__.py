@@ -18,6 +18,7 @@ from hora.transport.base import (
     TransportUnavailable,
 )
 from hora.transport.hierarchical import HierarchicalCommunicator
+from hora.transport.mpi import MpiCommunicator
 from hora.transport.shm import ShmCommunicator
 from hora.transport.tcp import TcpCommunicator
 from hora.rendezvous.client import RendezvousClient
@@ -26,6 +27,7 @@ TRANSPORTS: dict[str, Callable[..., Communicator]] = {
     "tcp": TcpCommunicator,
     "shm": ShmCommunicator,
     "hierarchical": HierarchicalCommunicator.connect,
+    "mpi": MpiCommunicator,  # mpi4py; needs a job formed over MPI (mpirun, init(comm=...))
 }
 
 

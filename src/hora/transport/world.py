@@ -48,8 +48,10 @@ def connect_group(rank: int, members: list[int], store: RendezvousClient, scope:
     ``members``): the transport :func:`form_world` would choose for them. Process sets use it, so a
     set gets the same transport a world of its ranks would."""
     choice = str(config.get("transport")).lower()
-    if choice not in ("auto", "tcp", "shm"):
-        raise HoraError(f"HORA_TRANSPORT={choice!r} is not a transport; use auto, tcp or shm")
+    if choice not in ("auto", "tcp", "shm", "mpi"):
+        raise HoraError(f"HORA_TRANSPORT={choice!r} is not a transport; use auto, tcp, shm or mpi")
+    if choice == "mpi":
+        return create_communicator("mpi", rank, members, store, scope, secret)
     single_host = len(topology.hosts()) == 1
     if choice == "shm" and not single_host:
         raise TransportUnavailable("HORA_TRANSPORT=shm needs every rank on one host; this job spans "

@@ -1,0 +1,38 @@
+"""A 3-rank job started by mpirun in which rank 2 is SIGKILLed mid-training.
+
+The survivors keep allreducing; each writes what it saw to ``<out>/rank<N>.json`` the moment its
+collective fails (mpirun kills the whole job soon after a rank dies, so stdout may be lost).
+Usage: python mpi_kill_script.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import hora.torch as hvd
+
+out = sys.argv[1]
+hvd.init()
+me = hvd.rank()
+step = 0
+try:
+    while True:
+        step += 1
+        if me == 2 and step == 20:
+            with open(os.path.join(out, "killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        hvd.allreduce(torch.ones(1000), name=f"grad.{step}")
+except Exception as exc:  # noqa: BLE001 - what a survivor sees is the test's subject
+    record = {"type": type(exc).__name__, "is_internal": isinstance(exc, hvd.HorovodInternalError),
+              "message": str(exc), "at": time.time(), "step": step}
+    with open(os.path.join(out, f"rank{me}.json.tmp"), "w") as f:
+        json.dump(record, f)
+    os.replace(os.path.join(out, f"rank{me}.json.tmp"), os.path.join(out, f"rank{me}.json"))
+    sys.exit(1)
