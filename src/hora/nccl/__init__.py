@@ -9,7 +9,8 @@ CPU tensors keep the built-in transports; a CUDA tensor whose path is "device" (
 - :mod:`hora.nccl.path`: the per-tensor choice between the device path and the host path;
 - :mod:`hora.nccl.fusion`: the device fusion buffer's layout;
 - :mod:`hora.nccl.communicators`: one NCCL communicator per process set, its unique id sent through the rendezvous;
-- :mod:`hora.nccl.ops`: the collectives, ordered after the framework's stream with events.
+- :mod:`hora.nccl.ops`: the collectives, ordered after the framework's stream with events;
+- :mod:`hora.nccl.dispatch`: the engine's negotiated items run on the device.
 """
 
 from hora.nccl.library import NcclUnavailable, nccl_status, nccl_version
