@@ -65,8 +65,9 @@ def make_reducer(tensorflow_reducer: Callable[..., Reducer] | None, prefix: str,
         return tensorflow_reducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
                                   gradient_predivide_factor, groups, process_set)
     if backend == "jax":
-        raise NotImplementedError("hora.keras supports the tensorflow and torch Keras backends; the jax backend "
-                                  "compiles train_step with jax.jit, which cannot call into hora's engine")
+        from hora.jax.keras_reducer import JaxAllreducer  # inside jax.jit: one host callback per step
+
+        return JaxAllreducer(prefix, compression, op, gradient_predivide_factor, groups, process_set)
     return _NumpyAllreducer(prefix, compression, op, gradient_predivide_factor, groups, process_set)
 
 
@@ -216,6 +217,11 @@ def wrap(optimizer: Any, in_place: bool, tensorflow_reducer: Callable[..., Reduc
                         f"got {type(optimizer).__name__}")
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     passes = horovod_args.backward_passes(backward_passes_per_step)
+    if passes > 1 and keras.backend.backend() == "jax":
+        # The local sums live in keras.Variables outside the optimizer's state, which Keras's JAX
+        # trainer (a pure, jitted train_step) cannot update: refused rather than silently wrong.
+        raise NotImplementedError("backward_passes_per_step > 1 is not supported on Keras's JAX backend yet; "
+                                  "use hora.jax.DistributedOptimizer (optax) for local aggregation, or a larger batch")
     compression = horovod_args.check_compression(compression)
     if optimizer.gradient_accumulation_steps:
         raise ValueError("the optimizer accumulates gradients itself (gradient_accumulation_steps); use "

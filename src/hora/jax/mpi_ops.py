@@ -1,0 +1,318 @@
+"""Collectives on jax.Arrays, with Horovod's names, arguments and defaults.
+
+Outside ``jax.jit`` (the normal case) each call reads the array as NumPy, submits it to hora's
+engine through :mod:`hora.collectives` and returns a new jax.Array; ``_async`` forms return a
+handle for :func:`poll` / :func:`synchronize`.
+
+Inside ``jax.jit`` the operands are tracers, so the synchronous forms stage the collective as one
+``jax.experimental.io_callback(..., ordered=True)``: at run time XLA copies the operands to the host,
+calls hora's engine and copies the result back. ``ordered=True`` keeps the collectives of one
+compiled function in program order on every rank (ranks must agree on the order). The cost is a
+host round trip and a synchronisation point per call: group tensors (``grouped_*`` or a pytree) so a
+step pays it once. Output shapes must be known when tracing: inside jit, allgather assumes every rank
+has the same first dimension and alltoall splits evenly (both check it at run time). jax arrays are
+immutable, so Horovod's in-place forms (``allreduce_``, ...) do not exist here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from hora import basics, collectives
+from hora.basics import Average, ProcessSet, global_process_set
+from hora.compression import Compression
+from hora.engine.executor import reducescatter_rows
+from hora.engine.request import Handle
+from hora.jax.arrays import host_array, is_traced, spec, to_jax
+
+HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
+
+
+class JaxHandle:
+    """What the ``_async`` collectives return: pass it to :func:`poll` or :func:`synchronize`."""
+
+    __slots__ = ("_inner", "_finish", "_done", "_value")
+
+    def __init__(self, inner: list[Handle], finish: Callable[[list], Any]) -> None:
+        self._inner, self._finish = inner, finish
+        self._done, self._value = False, None
+
+    def poll(self) -> bool:
+        return all(h.done() for h in self._inner)
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._value = self._finish([h.wait() for h in self._inner])
+            self._done = True
+        return self._value
+
+
+def poll(handle: JaxHandle) -> bool:
+    """True once the collective behind ``handle`` has finished."""
+    return handle.poll()
+
+
+def synchronize(handle: JaxHandle) -> Any:
+    """Wait for the collective and return its output (raises its error here)."""
+    return handle.wait()
+
+
+def _no_tracers(tensors: Sequence[Any], what: str) -> None:
+    if any(is_traced(t) for t in tensors):
+        raise TypeError(f"hora.jax.{what} cannot run inside jax.jit (a handle cannot leave the compiled "
+                        f"function); use the synchronous form, which runs as a host callback there")
+
+
+def _run(host_fn: HostFn, tensors: Sequence[Any], out_specs: Callable[[], list[jax.ShapeDtypeStruct]]) -> list:
+    """``host_fn`` on the tensors' NumPy values: directly, or in an ordered host callback under jit."""
+    tensors = list(tensors)
+    if not any(is_traced(t) for t in tensors):
+        return [to_jax(r) for r in host_fn([host_array(t) for t in tensors])]
+    specs = out_specs()
+
+    def callback(*arrays: Any) -> tuple:
+        results = host_fn([np.asarray(a) for a in arrays])
+        for result, want in zip(results, specs):
+            if tuple(result.shape) != want.shape:
+                raise ValueError(f"hora.jax rank {basics.rank()}: inside jax.jit the result must have the shape "
+                                 f"fixed when tracing, {want.shape}, got {tuple(result.shape)} (allgather and "
+                                 f"alltoall need the same first dimension on every rank there)")
+        return tuple(np.asarray(r, dtype=w.dtype) for r, w in zip(results, specs))
+
+    return list(io_callback(callback, tuple(specs), *tensors, ordered=True))
+
+
+def _compressed(tensors: Sequence[Any], compression) -> tuple[list, list]:
+    pairs = [compression.compress(t) for t in tensors]
+    return [c for c, _ in pairs], [ctx for _, ctx in pairs]
+
+
+def _decompressed(outs: Sequence[Any], ctxs: Sequence[Any], compression) -> list:
+    return [compression.decompress(o, ctx) for o, ctx in zip(outs, ctxs)]
+
+
+def _waiter(async_fn: Callable[..., Handle | list[Handle]]) -> HostFn:
+    def host_fn(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        handles = async_fn(arrays)
+        return [collectives.synchronize(h) for h in (handles if isinstance(handles, list) else [handles])]
+    return host_fn
+
+
+# ---- allreduce ----------------------------------------------------------------------------------
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None, compression=Compression.none,
+              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Reduce across ranks (Average by default). ``tensor`` may be a pytree: its leaves are reduced as
+    one fused group and the same tree comes back. Works inside jax.jit."""
+    leaves, tree = jax.tree_util.tree_flatten(tensor)
+    if tree.num_leaves == 1 and tree.num_nodes == 1:
+        sent, ctxs = _compressed(leaves, compression)
+        host_fn = _waiter(lambda a: collectives.allreduce_async(a[0], average, name, op, prescale_factor,
+                                                                postscale_factor, process_set))
+        return _decompressed(_run(host_fn, sent, lambda: [spec(sent[0])]), ctxs, compression)[0]
+    out = grouped_allreduce(leaves, average, name, compression, op, prescale_factor, postscale_factor, process_set)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None, op: int | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> JaxHandle:
+    """Start reducing ``tensor``; :func:`synchronize` returns a new jax.Array (outside jit only)."""
+    _no_tracers([tensor], "allreduce_async")
+    handle = collectives.allreduce_async(host_array(tensor), average, name, op, prescale_factor, postscale_factor,
+                                         process_set)
+    return JaxHandle([handle], lambda r: to_jax(r[0]))
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
+                      compression=Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
+    """Reduce a list of arrays as one fused unit (one host callback inside jit)."""
+    if not tensors:
+        return []
+    sent, ctxs = _compressed(tensors, compression)
+    host_fn = _waiter(lambda a: collectives.grouped_allreduce_async(a, average, name, op, prescale_factor,
+                                                                    postscale_factor, process_set))
+    return _decompressed(_run(host_fn, sent, lambda: [spec(t) for t in sent]), ctxs, compression)
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> JaxHandle:
+    _no_tracers(tensors, "grouped_allreduce_async")
+    handles = collectives.grouped_allreduce_async([host_array(t) for t in tensors], average, name, op,
+                                                  prescale_factor, postscale_factor, process_set)
+    return JaxHandle(handles, lambda results: [to_jax(r) for r in results])
+
+
+# ---- allgather ----------------------------------------------------------------------------------
+
+def _gathered_spec(t: Any, process_set: ProcessSet) -> jax.ShapeDtypeStruct:
+    shape = tuple(t.shape)
+    first = shape[0] if shape else 1
+    return spec(t, (first * process_set.size(), *shape[1:]))
+
+
+def _equal_rows_gather(name: str | None, process_set: ProcessSet) -> HostFn:
+    """Allgather for inside jit, where the output shape assumed every rank has the same first
+    dimension: each rank's first dimension travels in the same fused request, so every rank sees a
+    difference and fails with the same error (a shape check alone can pass on some ranks)."""
+    def host_fn(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        rows = [np.array([a.shape[0] if a.ndim else 1], dtype=np.int64) for a in arrays]
+        handles = collectives.grouped_allgather_async([*arrays, *rows], name, process_set)
+        results = [collectives.synchronize(h) for h in handles]
+        gathered, counts = results[:len(arrays)], results[len(arrays):]
+        for count in counts:
+            if len(set(count.tolist())) > 1:
+                raise ValueError(f"hora.jax rank {basics.rank()}: inside jax.jit, allgather needs the same first "
+                                 f"dimension on every rank (the output shape is fixed when tracing); the ranks of "
+                                 f"the process set have {count.tolist()}. Call it outside jit for ragged inputs")
+        return gathered
+    return host_fn
+
+
+def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every rank's array along dimension 0 (first dimensions may differ outside jit)."""
+    if is_traced(tensor):
+        return _run(_equal_rows_gather(name, process_set), [tensor], lambda: [_gathered_spec(tensor, process_set)])[0]
+    return to_jax(collectives.allgather(host_array(tensor), name, process_set))
+
+
+def allgather_async(tensor: Any, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> JaxHandle:
+    _no_tracers([tensor], "allgather_async")
+    handle = collectives.allgather_async(host_array(tensor), name, process_set)
+    return JaxHandle([handle], lambda r: to_jax(r[0]))
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list:
+    if any(is_traced(t) for t in tensors):
+        return _run(_equal_rows_gather(name, process_set), tensors,
+                    lambda: [_gathered_spec(t, process_set) for t in tensors])
+    return [to_jax(r) for r in collectives.grouped_allgather([host_array(t) for t in tensors], name, process_set)]
+
+
+def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> JaxHandle:
+    _no_tracers(tensors, "grouped_allgather_async")
+    handles = collectives.grouped_allgather_async([host_array(t) for t in tensors], name, process_set)
+    return JaxHandle(handles, lambda results: [to_jax(r) for r in results])
+
+
+# ---- broadcast ----------------------------------------------------------------------------------
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s array on every rank (a new array: jax arrays are immutable)."""
+    host_fn = _waiter(lambda a: collectives.broadcast_async(a[0], root_rank, name, process_set))
+    return _run(host_fn, [tensor], lambda: [spec(tensor)])[0]
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> JaxHandle:
+    _no_tracers([tensor], "broadcast_async")
+    handle = collectives.broadcast_async(host_array(tensor), root_rank, name, process_set)
+    return JaxHandle([handle], lambda r: to_jax(r[0]))
+
+
+# ---- alltoall -----------------------------------------------------------------------------------
+
+def _splits(splits: Any) -> Any:
+    return None if splits is None else np.asarray(splits)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[j]`` rows to rank j; returns the output, or ``(output, received_splits)`` with
+    splits. Inside jit only even splits (``splits=None``) are possible: shapes are fixed there."""
+    if is_traced(tensor) and splits is not None:
+        raise TypeError("hora.jax.alltoall inside jax.jit takes splits=None (even splits): the output shape "
+                        "must be known when tracing")
+    if splits is None:
+        if not is_traced(tensor):
+            return to_jax(collectives.alltoall(host_array(tensor), None, name, process_set))
+
+        def host_fn(arrays: list[np.ndarray]) -> list[np.ndarray]:
+            rows = collectives.allgather(np.array([arrays[0].shape[0]], dtype=np.int64), None, process_set)
+            if len(set(rows.tolist())) > 1:  # checked on every rank before any row moves
+                raise ValueError(f"hora.jax rank {basics.rank()}: inside jax.jit, alltoall needs the same first "
+                                 f"dimension on every rank (the output shape is fixed when tracing); the "
+                                 f"ranks have {rows.tolist()}")
+            return [collectives.alltoall(arrays[0], None, name, process_set)]
+
+        return _run(host_fn, [tensor], lambda: [spec(tensor)])[0]
+    output, received = collectives.alltoall(host_array(tensor), _splits(splits), name, process_set)
+    return to_jax(output), to_jax(np.asarray(received, dtype=np.int32))
+
+
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> JaxHandle:
+    """Start an alltoall; :func:`synchronize` returns ``(output, received_splits)``."""
+    _no_tracers([tensor], "alltoall_async")
+    handle = collectives.alltoall_async(host_array(tensor), _splits(splits), name, process_set)
+    return JaxHandle([handle], lambda r: (to_jax(r[0][0]), to_jax(np.asarray(r[0][1], dtype=np.int32))))
+
+
+# ---- reducescatter ------------------------------------------------------------------------------
+
+def _scattered_spec(t: Any, process_set: ProcessSet) -> jax.ShapeDtypeStruct:
+    shape = tuple(t.shape)
+    rows = reducescatter_rows(shape[0], process_set.size())[process_set.rank()]
+    return spec(t, (rows, *shape[1:]))
+
+
+def reducescatter(tensor: Any, name: str | None = None, compression=Compression.none, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce across ranks and keep this rank's block of rows (the first ``rows % size`` ranks get one more)."""
+    sent, ctxs = _compressed([tensor], compression)
+    host_fn = _waiter(lambda a: collectives.reducescatter_async(a[0], name, op, process_set, prescale_factor,
+                                                                postscale_factor))
+    return _decompressed(_run(host_fn, sent, lambda: [_scattered_spec(sent[0], process_set)]), ctxs,
+                         compression)[0]
+
+
+def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> JaxHandle:
+    _no_tracers([tensor], "reducescatter_async")
+    handle = collectives.reducescatter_async(host_array(tensor), name, op, process_set, prescale_factor,
+                                             postscale_factor)
+    return JaxHandle([handle], lambda r: to_jax(r[0]))
+
+
+def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, compression=Compression.none,
+                          op: int = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    sent, ctxs = _compressed(tensors, compression)
+    host_fn = _waiter(lambda a: collectives.grouped_reducescatter_async(a, name, op, process_set, prescale_factor,
+                                                                        postscale_factor))
+    return _decompressed(_run(host_fn, sent, lambda: [_scattered_spec(t, process_set) for t in sent]), ctxs,
+                         compression)
+
+
+def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> JaxHandle:
+    _no_tracers(tensors, "grouped_reducescatter_async")
+    handles = collectives.grouped_reducescatter_async([host_array(t) for t in tensors], name, op, process_set,
+                                                      prescale_factor, postscale_factor)
+    return JaxHandle(handles, lambda results: [to_jax(r) for r in results])
+
+
+# ---- control ------------------------------------------------------------------------------------
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has reached the barrier."""
+    collectives.barrier(process_set)
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: it contributes zeros until all join. Returns the last rank to join."""
+    return collectives.join(device)
