@@ -138,6 +138,9 @@ KNOBS: tuple[Knob, ...] = (
     # Engine (read by later layers; listed here so every knob lives in one table).
     Knob("fusion_threshold", 128 * MiB, _parse_nonneg_int, "Tensor fusion buffer size in bytes; 0 disables fusion."),
     Knob("cycle_time", 1.0, _parse_nonneg_float, "Engine cycle time in milliseconds."),
+    Knob("gradient_bucket_bytes", 4 * MiB, _parse_nonneg_int,
+         "Gradients of the framework optimizers travel in flat buckets of at most this many bytes "
+         "(and at most the fusion threshold); 0: one reduction per tensor.", horovod_alias=False),
     Knob("cache_capacity", 1024, _parse_nonneg_int, "Response cache entries; 0 disables the cache."),
     Knob("timeline", None, _parse_str, "Path of the Chrome-trace timeline written by rank 0, or DYNAMIC."),
     Knob("timeline_mark_cycles", False, _parse_bool, "Mark engine cycles in the timeline."),

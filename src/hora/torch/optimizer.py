@@ -59,6 +59,10 @@ class _DistributedOptimizer:
             self._requires_update = self._in_reference_order(self._requires_update)
         self._groups = self._make_groups(groups)
         self._group_of = {p: i for i, g in enumerate(self._groups) for p in g}
+        # Without explicit groups, gradients travel in buckets: one flat tensor per bucket, one
+        # engine submission each (the engine's cost is per submission, not per byte).
+        self._buckets = self._make_buckets() if groups is None else []
+        self._group_of.update({p: ("bucket", i) for i, b in enumerate(self._buckets) for p in b})
         self._pending: dict[Any, _Pending] = {}  # parameter, or group index -> in-flight reduction
         self._ready_in_group: dict[int, set] = {}
         self.backward_passes_per_step = int(backward_passes_per_step)
@@ -114,26 +118,52 @@ class _DistributedOptimizer:
             return horovod_args.split_evenly(params, groups)
         return [[params[i] for i in group] for group in horovod_args.listed_groups(groups, params) if group]
 
+    def _make_buckets(self) -> list[list]:
+        """Consecutive parameters in reverse registration order (about the order backward produces
+        their gradients), cut at ``GRADIENT_BUCKET_BYTES`` (never above the fusion threshold) and
+        wherever the dtype changes. Adasum (not element-wise) and compressors other than Horovod's
+        none/fp16 (which may not be) keep one reduction per tensor."""
+        from hora import config
+
+        cap = min(int(config.get("gradient_bucket_bytes")), int(config.get("fusion_threshold")))
+        elementwise = self._compression in (Compression.none, Compression.fp16)
+        if self._excluded or cap <= 0 or self._op == Adasum or not elementwise:
+            return []
+        buckets: list[list] = []
+        size = 0
+        for p in reversed(self._requires_update):
+            nbytes = p.numel() * p.element_size()
+            if buckets and size + nbytes <= cap and buckets[-1][-1].dtype == p.dtype:
+                buckets[-1].append(p)
+                size += nbytes
+            else:
+                buckets.append([p])
+                size = nbytes
+        return [b for b in buckets if len(b) > 1]
+
     # ---- hooks and reductions -------------------------------------------------------------------
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if p not in self._delay:
             return
         key = self._group_of.get(p, p)
-        if key in self._pending:
+        if key in self._pending or p in self._pending:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call "
                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
         self._delay[p] -= 1
         if self._delay[p] > 0:
             return
+        if key is p:
+            self._start(p)
+            return
+        ready = self._ready_in_group.setdefault(key, set())
+        ready.add(p)
         if isinstance(key, int):
-            ready = self._ready_in_group.setdefault(key, set())
-            ready.add(p)
             if len(ready) == len(self._groups[key]):
                 self._start_group(key)
-        else:
-            self._start(p)
+        elif len(ready) == len(self._buckets[key[1]]):
+            self._start_bucket(key)
 
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
@@ -192,6 +222,28 @@ class _DistributedOptimizer:
                     self._land(p, self._compression.decompress(result, ctx))
         self._pending[index] = _Pending(handle, finish)
 
+    def _start_bucket(self, key: tuple) -> None:
+        params = self._buckets[key[1]]
+        grads = [self._dense_grad(p) for p in params]
+        if any(g.is_sparse for g in grads) or any(g is not p.grad for g, p in zip(grads, params)):
+            # Sparse gradients (or sparse ones made dense) have their own path: per tensor.
+            for p in params:
+                self._start(p)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        compressed, ctx = self._compression.compress(flat)
+        r = self._reduction
+        handle = mpi_ops.allreduce_async_(compressed, name=f"{self._names[params[0]]}.bucket{len(params)}",
+                                          op=r.op, prescale_factor=r.prescale_factor,
+                                          postscale_factor=r.postscale_factor, process_set=r.process_set)
+
+        def finish(result, grads=grads, ctx=ctx):
+            reduced = self._compression.decompress(result, ctx)
+            pieces = torch.split(reduced, [g.numel() for g in grads])
+            with torch.no_grad():
+                torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
+        self._pending[key] = _Pending(handle, finish)
+
     # ---- the optimizer interface ----------------------------------------------------------------
 
     def synchronize(self) -> None:
@@ -201,12 +253,14 @@ class _DistributedOptimizer:
             return
         for p in self._requires_update:
             key = self._group_of.get(p, p)
-            if key in self._pending:
+            if key in self._pending or p in self._pending:  # (a bucket of sparse gradients: per tensor)
                 continue
             if isinstance(key, int):
                 self._start_group(key)
-            else:
+            elif key is p:
                 self._start(p)
+            else:
+                self._start_bucket(key)
         for pending in self._pending.values():
             pending.finish(mpi_ops.synchronize(pending.handle))
         self._pending.clear()
