@@ -21,7 +21,7 @@ from hora import batched
 from hora.basics import ProcessSet, global_process_set
 from hora.horovod_args import GradientReduction
 from hora.mxnet.compression import Compression
-from hora.mxnet.tensors import check, from_numpy, to_numpy, where
+from hora.mxnet.tensors import check, from_numpy, to_numpy, where, write_into
 from hora.transport.base import ReduceOp
 
 
@@ -46,7 +46,10 @@ def _reduce_in_place(grads: Sequence[mx.nd.NDArray], names: Sequence[str], reduc
     arrays = [to_numpy(c, "gradient allreduce") for c, _ in compressed]
     results = batched.start(arrays, names, reduction, groups).wait()
     for grad, (c, ctx), result in zip(grads, compressed, results):
-        grad[:] = compression.decompress(from_numpy(result, c), ctx)
+        if c is grad:  # sent as it is: one host copy back
+            write_into(grad, result)
+        else:
+            grad[:] = compression.decompress(from_numpy(result, c), ctx)
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
