@@ -107,8 +107,10 @@ def run_pmap(args) -> None:
         return optax.apply_updates(params, updates), state
 
     pstep = jax.pmap(step, axis_name="workers")
-    replicate = lambda tree: jax.device_put_replicated(tree, jax.local_devices())  # noqa: E731
-    xs, ys = jax.device_put_sharded(list(x), jax.local_devices()), jax.device_put_sharded(list(y), jax.local_devices())
+    # pmap splits the leading axis over the devices: stack a copy per device (the params) or the
+    # per-device batches.
+    replicate = lambda tree: jax.tree_util.tree_map(lambda a: jax.numpy.stack([a, a]), tree)  # noqa: E731
+    xs, ys = jax.numpy.asarray(x), jax.numpy.asarray(y)
     seconds = _time(lambda p, s: pstep(p, s, xs, ys), (replicate(params), replicate(tx.init(params))), args)
     print("RESULT", json.dumps({"seconds": seconds}), flush=True)
 

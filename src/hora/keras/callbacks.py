@@ -153,6 +153,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         return float(_value(self.model.optimizer.learning_rate))
 
     def _adjust_learning_rate(self, epoch: float) -> None:
+        # Keras's JAX trainer keeps the training state outside the variables within an epoch: attach
+        # it first, so that the rate and momentum buffers read here are current and what is written
+        # here is what the next step starts from (the trainer re-reads the state after a sync).
+        getattr(self.model, "jax_state_sync", lambda: None)()
         optimizer = self.model.optimizer
         old_lr = self._learning_rate()
         new_lr = self.initial_lr * self.multiplier(epoch)
