@@ -19,6 +19,7 @@ and applies it; the calls in between only count the optimizer's ``iterations``, 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import keras
@@ -30,6 +31,37 @@ from hora.compression import Compression
 from hora.horovod_args import GradientReduction
 
 Reducer = Callable[[Sequence[Any], Sequence[Any]], list]
+
+LEGACY_KERAS_VARIABLE = "TF_USE_LEGACY_KERAS"
+
+
+def uses_tf_keras() -> bool:
+    """Whether this process runs Keras 2 (the ``tf_keras`` package) instead of Keras 3.
+
+    The one place hora decides it, by TensorFlow's own rule: ``TF_USE_LEGACY_KERAS`` set to 1 or
+    true makes ``tf.keras`` tf_keras, so hora's callbacks and models follow the same choice. It is
+    fixed per process (TensorFlow reads it once), which is why tests set it in the workers' environment.
+    """
+    return os.environ.get(LEGACY_KERAS_VARIABLE, "") in ("1", "true", "True")
+
+
+def keras_api() -> Any:
+    """The Keras module this process uses: ``tf_keras`` under ``TF_USE_LEGACY_KERAS=1``, else Keras 3."""
+    if not uses_tf_keras():
+        return keras
+    try:
+        import tf_keras
+    except ImportError as exc:
+        raise ImportError(f"{LEGACY_KERAS_VARIABLE}=1 asks for Keras 2, which needs the tf-keras package "
+                          f"(pip install 'hora[tf-keras]', the release matching TensorFlow's)") from exc
+    return tf_keras
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """A tensor, variable, array or number of either Keras as a NumPy array."""
+    if uses_tf_keras() and hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # TensorFlow's
+        return np.asarray(value.numpy())
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 class _NumpyAllreducer:
@@ -202,6 +234,17 @@ def distributed_class(base: type) -> type:
                 {"__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
+def as_instance_of(cls: type, optimizer: Any, in_place: bool) -> Any:
+    """``optimizer`` made an instance of its wrapped class ``cls``: itself (``in_place``, what
+    ``load_model`` does), or a new object sharing its state (its ``__dict__``'s values)."""
+    if in_place:
+        optimizer.__class__ = cls
+        return optimizer
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    return wrapped
+
+
 def wrap(optimizer: Any, in_place: bool, tensorflow_reducer: Callable[..., Reducer] | None,
          name: str | None = None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: int = Average,
@@ -237,12 +280,7 @@ def wrap(optimizer: Any, in_place: bool, tensorflow_reducer: Callable[..., Reduc
     prefix = name if name is not None else f"Distributed{cls.__name__}"
     reducer = make_reducer(tensorflow_reducer, prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
                            gradient_predivide_factor, groups, process_set)
-    if in_place:
-        wrapped = optimizer
-        wrapped.__class__ = cls
-    else:
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(optimizer.__dict__)
+    wrapped = as_instance_of(cls, optimizer, in_place)
     local_scale = 1.0 / process_set.size() if scale_local_gradients else None
     object.__setattr__(wrapped, "_hora", _HoraSettings(reducer, passes, bool(average_aggregated_gradients),
                                                        local_scale))

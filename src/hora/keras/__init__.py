@@ -4,13 +4,14 @@ Change ``import horovod.tensorflow.keras as hvd`` to ``import hora.keras as hvd`
 Horovod spelling with ``import hora.tensorflow.keras as hvd``). Works on the TensorFlow backend
 and, since hora reduces through NumPy, on the torch backend (``KERAS_BACKEND=torch``); the backend
 is whatever Keras was imported with. Nothing here imports TensorFlow unless Keras runs on it.
+With ``TF_USE_LEGACY_KERAS=1`` (and the tf-keras package) the same names serve Keras 2 models and
+optimizers, as Horovod's did: see :mod:`hora.keras.keras2`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import keras
 import numpy as np
 
 from hora import collectives
@@ -20,11 +21,12 @@ from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce o
 from hora.common_api import __all__ as _common
 from hora.compression import Compression
 from hora.keras import callbacks, elastic
-from hora.keras.optimizer import DistributedOptimizer, load_model
+from hora.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
+from hora.keras_wrapper import to_numpy
 
 
 def _array(value: Any) -> np.ndarray:
-    return np.asarray(keras.ops.convert_to_numpy(value))
+    return to_numpy(value)
 
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
@@ -61,6 +63,6 @@ def broadcast_global_variables(root_rank: int) -> None:
 
 
 __all__ = list(_common) + [
-    "Compression", "DistributedOptimizer", "load_model", "callbacks", "elastic", "allreduce", "allgather",
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "elastic", "allreduce", "allgather",
     "broadcast", "reducescatter", "broadcast_global_variables", "broadcast_object", "allgather_object",
 ]

@@ -2,7 +2,8 @@
 
 They run in Python between steps, so they work on every Keras backend hora supports: values go
 through NumPy and hora's collectives. ``device`` arguments are accepted for Horovod compatibility
-and place nothing (hora reduces in host memory).
+and place nothing (hora reduces in host memory). Under ``TF_USE_LEGACY_KERAS=1`` they are Keras 2
+(tf_keras) callbacks, built on the Keras this process uses (:func:`hora.keras_wrapper.keras_api`).
 """
 
 from __future__ import annotations
@@ -10,18 +11,31 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-import keras
 import numpy as np
 
 from hora import basics, batched, collectives
 from hora.basics import Average
-from hora.keras_wrapper import build_now
+from hora.keras_wrapper import build_now, keras_api, to_numpy, uses_tf_keras
 
+keras = keras_api()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1: the callbacks' base classes
 logger = logging.getLogger(__name__)
+_value = to_numpy
 
 
-def _value(x: Any) -> np.ndarray:
-    return np.asarray(keras.ops.convert_to_numpy(x))
+def _optimizer_state(optimizer: Any, trainable: Sequence[Any]) -> list:
+    """The optimizer's variables (slots built now if Keras has not made them yet), or [] for none."""
+    if uses_tf_keras():
+        from hora.keras import keras2
+        if not keras2.is_optimizer(optimizer):
+            return []
+        keras2.build(optimizer, trainable)
+        return keras2.variables(optimizer)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return []
+    # Keras builds it lazily on the first step; building now lets the first step already start
+    # from the root's state.
+    build_now(optimizer, trainable)
+    return list(optimizer.variables)
 
 
 def broadcast_model_state(model: keras.Model, root_rank: int, local_variables: Sequence[Any] = ()) -> None:
@@ -31,13 +45,7 @@ def broadcast_model_state(model: keras.Model, root_rank: int, local_variables: S
     random-seed state is left alone, so dropout masks still differ between ranks.
     ``local_variables`` keep each rank's own values.
     """
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(model.weights)
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        # Keras builds it lazily on the first step; building now lets the first step already start
-        # from the root's state.
-        build_now(optimizer, model.trainable_variables)
-        variables += list(optimizer.variables)
+    variables = list(model.weights) + _optimizer_state(getattr(model, "optimizer", None), model.trainable_variables)
     if local_variables:
         local = {id(v) for v in local_variables}
         variables = [v for v in variables if id(v) not in local]
@@ -220,6 +228,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
 def _momentum_buffers(optimizer: Any) -> list:
     """The velocity variables of a momentum optimizer (SGD's ``momentums``, RMSprop's ``_momentums``)."""
+    if uses_tf_keras():
+        from hora.keras import keras2
+        return keras2.momentum_buffers(optimizer)
     if not getattr(optimizer, "momentum", 0):
         return []
     for attribute in ("momentums", "_momentums"):
@@ -229,5 +240,34 @@ def _momentum_buffers(optimizer: Any) -> list:
     return []
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "broadcast_model_state"]
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Save the model whenever the monitored metric improves, on rank 0 only (Horovod's callback).
+
+    ``ModelCheckpoint`` with ``save_best_only=True`` and whole models. Horovod leaves ``filepath`` to
+    be set later (its Spark estimators assign ``callback.filepath``); hora also takes it as a keyword,
+    and refuses to train with none set rather than save to a placeholder. Ranks other than 0 write
+    nothing, so ranks sharing a file system do not race on one file; put ``MetricAverageCallback``
+    before it so rank 0 decides on the average over all ranks.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto", save_freq: Any = "epoch",
+                 *, filepath: str | None = None) -> None:
+        # Keras checks the path's suffix when it is made; a path set later is checked at train begin
+        super().__init__(filepath=filepath or "best.keras", monitor=monitor,
+                         verbose=verbose, save_best_only=True, save_weights_only=False, mode=mode,
+                         save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self.filepath:
+            raise ValueError(f"BestModelCheckpoint on rank {basics.rank()} has no filepath: pass "
+                             f"filepath=... or set callback.filepath before model.fit")
+        super().on_train_begin(logs)
+
+    def _save_model(self, *args: Any, **kwargs: Any) -> None:
+        if basics.rank() == 0:
+            super()._save_model(*args, **kwargs)
+
+
+__all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "broadcast_model_state"]

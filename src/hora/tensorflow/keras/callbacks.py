@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hora.keras.callbacks import (  # noqa: F401
+    BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
