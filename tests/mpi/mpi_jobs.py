@@ -31,10 +31,11 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def mpirun(np: int, args: list[str], extra_env: dict[str, str] | None = None, timeout: float = 150,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """``mpirun -np N python ARGS...`` from the repository root; asserts success when ``check``."""
+           check: bool = True, mpirun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``mpirun -np N [MPIRUN_ARGS] python ARGS...`` from the repository root; asserts success when
+    ``check``."""
     assert MPIRUN, "mpirun is not installed (apt-get install openmpi-bin)"
-    argv = [MPIRUN, "-np", str(np), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+    argv = [MPIRUN, "-np", str(np), "--oversubscribe", "--bind-to", "none", *mpirun_args, sys.executable, *args]
     proc = subprocess.run(argv, cwd=ROOT, env=mpi_env(extra_env), capture_output=True, text=True,
                           timeout=timeout)
     if check:

@@ -1,7 +1,8 @@
 """A 3-rank job started by mpirun in which rank 2 is SIGKILLed mid-training.
 
 The survivors keep allreducing; each writes what it saw to ``<out>/rank<N>.json`` the moment its
-collective fails (mpirun kills the whole job soon after a rank dies, so stdout may be lost).
+collective fails (by default mpirun kills the whole job soon after a rank dies, so stdout may be lost
+and a survivor may be killed before it gets there; under ``--enable-recovery`` it is not).
 Usage: python mpi_kill_script.py OUT_DIR
 """
 
@@ -35,4 +36,9 @@ except Exception as exc:  # noqa: BLE001 - what a survivor sees is the test's su
     with open(os.path.join(out, f"rank{me}.json.tmp"), "w") as f:
         json.dump(record, f)
     os.replace(os.path.join(out, f"rank{me}.json.tmp"), os.path.join(out, f"rank{me}.json"))
-    sys.exit(1)
+    # Not sys.exit: under --enable-recovery mpirun lets survivors run on, and mpi4py's MPI_Finalize at
+    # exit would wait for the dead rank forever.
+    # Stay a moment first: rank 0's process serves the job's store, and a survivor that left at once
+    # would look, to a slower survivor, like a second dead rank.
+    time.sleep(3)
+    os._exit(1)

@@ -49,6 +49,10 @@ def test_slurm_pmix_counts_as_an_mpi_launcher_and_a_batch_script_is_one_process(
     me = detect({"PMIX_RANK": "1", "PMIX_SIZE": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_LOCALID": "1",
                  "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"})
     assert me.mpi and (me.rank, me.size, me.local_rank) == (1, 2, 1) and me.job_key == "pmi-7.3"
+    # srun --mpi=pmix sets PMIX_RANK but no size: the step's task count is the size
+    me = detect({"PMIX_RANK": "0", "PMIX_NAMESPACE": "slurm.pmix.5.0", "SLURM_STEP_NUM_TASKS": "2",
+                 "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "5", "SLURM_LOCALID": "0"})
+    assert (me.rank, me.size, me.variable, me.job_key) == (0, 2, "SLURM_STEP_NUM_TASKS", "pmi-slurm.pmix.5.0")
     # sbatch's own step: SLURM_NTASKS is the allocation's, but no srun started this process
     assert detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) is None
     assert detect({}) is None

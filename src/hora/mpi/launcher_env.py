@@ -102,10 +102,12 @@ def detect(environ: Mapping[str, str] | None = None) -> LauncherIdentity | None:
                        _int(env, "OMPI_COMM_WORLD_NODE_ID"), None, key and f"ompi-{key}", True)
     size = _int(env, "PMI_SIZE", "PMIX_SIZE")
     rank = _int(env, "PMI_RANK", "PMIX_RANK")
+    if size is None and "PMIX_RANK" in env:  # srun --mpi=pmix names no size in the environment
+        size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     if size is not None and rank is not None:
         key = env.get("PMIX_NAMESPACE") or env.get("PMI_KVSNAME") or (
             f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}" if "SLURM_JOB_ID" in env else None)
-        variable = "PMI_SIZE" if "PMI_SIZE" in env else "PMIX_SIZE"
+        variable = next(v for v in ("PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if v in env)
         return _finish("an MPI launcher (PMI)", variable, rank, size,
                        _int(env, "MPI_LOCALRANKID", "SLURM_LOCALID"),
                        _int(env, "MPI_LOCALNRANKS") or _slurm_local_size(env),
