@@ -40,8 +40,6 @@ def _cast(tensor: Any, dtype: str) -> Any:
         return tensor.astype(dtype)
     if type(tensor).__module__.startswith(("jax", "jaxlib")):  # jax.Arrays and jit tracers (hora.jax)
         return tensor.astype(dtype)
-    if type(tensor).__module__.startswith(("jax", "jaxlib")):  # jax.Arrays and jit tracers (hora.jax)
-        return tensor.astype(dtype)
     import keras  # any other tensor belongs to the active Keras backend
 
     return keras.ops.cast(tensor, dtype)
