@@ -563,10 +563,12 @@ def host_label(hosts: tuple[int, ...], rank: int) -> str | None:
     return labels[rank]
 
 
-def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, ...] = ()) -> dict[str, Any]:
+def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, ...] = (),
+                       only: Callable[[str, int], bool] | None = None) -> dict[str, Any]:
     """Run every case on this rank; ``{case_id: (ok, detail, digest)}``.
 
-    ``hosts`` emulates a multi-host layout (ranks per host) for transports that care where ranks run.
+    ``hosts`` emulates a multi-host layout (ranks per host) for transports that care where ranks run;
+    ``only(case_id, world_size)``, if given, picks a subset (the 16-rank run).
     """
     from hora.runtime import connect_world
 
@@ -578,6 +580,8 @@ def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, 
     results: dict[str, Any] = {}
     try:
         for case in build_cases(comm.size, **knobs):
+            if only is not None and not only(case.id, comm.size):
+                continue
             try:
                 results[case.id] = (True, "", _digest(case.run(comm, env)))
             except AssertionError as exc:

@@ -8,8 +8,11 @@ in this rank's segment (the engine's fusion buffer does: :meth:`allocate`), noth
 Ranks synchronise through counters in their segments: each rank writes only its own, and waits by
 polling the others' (yielding the GIL while it waits). A peer that dies is noticed by its process
 disappearing or its abort flag, within milliseconds. Collectives that gain nothing from shared memory
-(alltoall, object exchange, messages larger than the segment limit) go through a TCP mesh among the
-same ranks, which this communicator holds; the mesh and the segments share one failure record.
+(alltoall, object exchange, messages larger than the segment limit) go through a TCP communicator
+among the same ranks, which this communicator holds; its connections open on first use and its object
+collectives run over binomial trees, so a process holds O(log n) sockets, not n - 1. The TCP side and
+the segments share one failure record, and the liveness checks cover every rank of the host whether
+or not this rank ever connected to it.
 """
 
 from __future__ import annotations

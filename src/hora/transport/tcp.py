@@ -1,10 +1,14 @@
-"""The built-in transport: collectives over a full mesh of TCP connections.
+"""The built-in transport: collectives over authenticated TCP (or same-host Unix) connections.
 
 Large messages use bandwidth-optimal ring algorithms (allreduce = reduce-scatter then allgather),
 cut into chunks and pipelined: a sender thread streams chunk k to the next rank while this thread
-receives and reduces chunk k+1 from the previous one. Small messages use one-round direct exchanges,
-which cost a single network latency instead of 2(p-1). Every reduction happens in a fixed order on
-a fixed rank, so all ranks finish with bit-identical results.
+receives and reduces chunk k+1 from the previous one. Small messages (``ring_small_bytes``) among at
+most ``DIRECT_MAX_PEERS`` ranks use one-round direct exchanges, which cost a single network latency
+instead of 2(p-1); in larger groups they use recursive doubling (allreduce, barrier) and binomial
+trees (broadcast, object gather and broadcast): log2(p) rounds, each rank talking to its log2(p)
+partners at distance 2^k only. Connections open on first use (:class:`LazyMesh`), so a process
+holds sockets to its ring neighbours and tree partners, not to the whole job. Reductions combine
+operands in an order fixed by rank, so all ranks finish with bit-identical results.
 
 Failure: a peer that exits shows up as EOF or a reset at once; a peer that hangs shows up as no
 progress for ``transport_timeout`` seconds. Either way this rank records the failure in the
@@ -32,7 +36,7 @@ from hora.transport.guard import CollectiveGuard
 from hora.transport.layout import bytes_of, count_offsets, split_offsets
 from hora.transport.reduce import check_op, reduction_ufunc
 from hora.transport.sender import AsyncSender
-from hora.transport.tcp_mesh import connect_mesh, route_address
+from hora.transport.tcp_mesh import LazyMesh, route_address
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +68,24 @@ class TcpCommunicator(MemberCommunicator):
         self.chunk_bytes = max(4096, int(config.get("ring_chunk_bytes")))
         self.small_bytes = int(config.get("ring_small_bytes"))
         host = listen_host or config.get("iface") or route_address(store.host, store.port)
-        self._peers = connect_mesh(
+        self._links = LazyMesh(
             rank,
             self._members,
             store,
             scope,
             secret_bytes(secret),
             host,
-            timeout=float(config.get("start_timeout")),
+            start_timeout=float(config.get("start_timeout")),
             buffer_bytes=int(config.get("socket_buffer_bytes")),
             unix_sockets=bool(config.get("unix_sockets")),
         )
-        for sock in self._peers.values():
-            self._set_timeouts(sock)
-        # A message this small fits in the kernel's buffers, so it may be sent inline (no thread
-        # handoff) even while the peer is sending to us: neither side can block the other.
-        self._inline_limit = min(
-            (sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for sock in self._peers.values()),
-            default=0,
-        ) // 4
+        self._peers: dict[int, socket.socket] = {}
+        # Per peer: a message this small fits in the kernel's buffers, so it may be sent inline (no
+        # thread handoff) even while the peer is sending to us: neither side can block the other.
+        self._inline_limit: dict[int, int] = {}
+        #: Point-to-point messages sent by the small-message and object paths (direct, doubling,
+        #: trees): what the engine's control plane costs per cycle (benchmarks/scaling_one_host.py).
+        self.small_messages_sent = 0
         self._sender = AsyncSender(name=f"hora-send-{self.global_rank}")
         # The guard every collective runs in: one collective at a time, refused once failed, and any
         # failure inside recorded for the peers and raised with its root cause.
@@ -90,6 +93,20 @@ class TcpCommunicator(MemberCommunicator):
                                       cut=self.shutdown_connections, flush=self._sender.flush)
 
     # ---- sockets ------------------------------------------------------------------------------
+
+    def _sock(self, peer: int) -> socket.socket:
+        """The connection to member ``peer``, opened (and authenticated) on first use."""
+        sock = self._peers.get(peer)
+        if sock is None:
+            sock, _ = self._links.get(peer, self.timeout)
+            self._set_timeouts(sock)
+            self._inline_limit[peer] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+            self._peers[peer] = sock
+        return sock
+
+    def connected_peers(self) -> list[int]:
+        """Member indices this rank has opened a connection to (they grow with use, not with size)."""
+        return self._links.connected()
 
     def _set_timeouts(self, sock: socket.socket) -> None:
         """OS-level timeouts keep sockets blocking (one syscall per chunk) yet bounded."""
@@ -108,14 +125,10 @@ class TcpCommunicator(MemberCommunicator):
     def shutdown_connections(self) -> None:
         """Shut every peer connection (idempotent): peers blocked on this rank fail at once, and
         this communicator's later collectives fail instead of waiting."""
-        for sock in self._peers.values():
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._links.shutdown()
 
     def _recv_into(self, peer: int, view: memoryview) -> None:
-        sock = self._peers[peer]
+        sock = self._sock(peer)
         need = len(view)
         got = 0
         while got < need:
@@ -144,11 +157,13 @@ class TcpCommunicator(MemberCommunicator):
         """Send inline when the message fits in the socket buffers, else through the sender thread."""
         if not len(view):
             return
-        if len(view) > self._inline_limit:
-            self._sender.send(self._peers[peer], view)
+        self.small_messages_sent += 1
+        sock = self._sock(peer)
+        if len(view) > self._inline_limit[peer]:
+            self._sender.send(sock, view)
             return
         try:
-            self._peers[peer].sendall(view)
+            sock.sendall(view)
         except OSError as exc:
             raise PeerFailureError(
                 f"sending to rank {self._members[peer]} failed ({exc}); it probably died",
@@ -163,6 +178,35 @@ class TcpCommunicator(MemberCommunicator):
     def _use_direct(self, nbytes: int) -> bool:
         return nbytes <= self.small_bytes and self.size <= DIRECT_MAX_PEERS
 
+    def _use_tree(self, nbytes: int) -> bool:
+        """Small messages among more ranks than a direct exchange suits: log2(p) rounds."""
+        return nbytes <= self.small_bytes and self.size > DIRECT_MAX_PEERS
+
+    def _exchange(self, peer: int, send: memoryview, recv: memoryview) -> None:
+        """Send ``send`` to and receive ``recv`` from ``peer``; ``send`` may be reused on return."""
+        self._send_now(peer, send)
+        self._recv_into(peer, recv)
+        if len(send) > self._inline_limit[peer]:
+            self._sender.flush(self.timeout)  # went through the sender thread: wait before reuse
+
+    def _tree(self, root: int) -> tuple[int | None, list[int]]:
+        """This rank's parent (None at the root) and children, largest subtree first, in the
+        binomial tree rooted at ``root``: partners are at distance 2^k around the ring."""
+        n = self.size
+        rel = (self._rank - root) % n
+        if rel:
+            low = rel & -rel
+            parent: int | None = (rel - low + root) % n
+        else:
+            low, parent = 1 << (n - 1).bit_length(), None
+        children = []
+        step = low >> 1
+        while step:
+            if rel + step < n:
+                children.append((rel + step + root) % n)
+            step >>= 1
+        return parent, children
+
     # ---- allreduce ----------------------------------------------------------------------------
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
@@ -175,6 +219,8 @@ class TcpCommunicator(MemberCommunicator):
         with self._guard("allreduce", flat.dtype):
             if self._use_direct(flat.nbytes):
                 self._allreduce_direct(flat, op)
+            elif self._use_tree(flat.nbytes):
+                self._allreduce_doubling(flat, op)
             else:
                 self._reduce_scatter_ring(flat, flat, split_offsets(flat.size, self.size), op, own_shift=1)
                 self._allgather_ring(flat, split_offsets(flat.size, self.size), shift=1)
@@ -196,6 +242,40 @@ class TcpCommunicator(MemberCommunicator):
             ufunc(acc, received[r], out=acc)
         if acc is not flat:
             flat[...] = acc
+
+    def _allreduce_doubling(self, flat: np.ndarray, op: ReduceOp) -> None:
+        """Recursive doubling: log2(p) exchanges with the partners at distance 1, 2, 4, ...
+
+        A rank beyond the largest power of two p2 first hands its input to rank - p2 and gets the
+        result back at the end. Each exchange combines the lower-ranked partner's operand first, and
+        after the exchange at distance d every block of 2d ranks holds the same bits, so every rank
+        finishes with the same bits.
+        """
+        n, r = self.size, self._rank
+        p2 = 1 << (n.bit_length() - 1)
+        ufunc = reduction_ufunc(op, flat.dtype)
+        mine = bytes_of(flat)
+        if r >= p2:
+            self._send_now(r - p2, mine)
+            self._sender.flush(self.timeout)
+            self._recv_into(r - p2, mine)
+            return
+        other = np.empty_like(flat)
+        theirs = bytes_of(other)
+        if r + p2 < n:
+            self._recv_into(r + p2, theirs)
+            ufunc(flat, other, out=flat)
+        distance = 1
+        while distance < p2:
+            partner = r ^ distance
+            self._exchange(partner, mine, theirs)
+            if partner < r:
+                ufunc(other, flat, out=flat)
+            else:
+                ufunc(flat, other, out=flat)
+            distance <<= 1
+        if r + p2 < n:
+            self._send_now(r + p2, mine)
 
     def _ring_order(self, reverse: bool = False) -> list[int]:
         """Peers nearest first along the ring: next, next+1, ... (or prev, prev-1, ...)."""
@@ -220,7 +300,7 @@ class TcpCommunicator(MemberCommunicator):
         nxt, prv = (r + 1) % n, (r - 1) % n
         ufunc = reduction_ufunc(op, src.dtype)
         itemsize = src.itemsize
-        next_sock = self._peers[nxt]
+        next_sock = self._sock(nxt)
         src_bytes, work_bytes = bytes_of(src), bytes_of(work)
         scratch = np.empty(max(1, self.chunk_bytes // itemsize), dtype=src.dtype)
         scratch_bytes = bytes_of(scratch)
@@ -244,7 +324,7 @@ class TcpCommunicator(MemberCommunicator):
         n, r = self.size, self._rank
         nxt, prv = (r + 1) % n, (r - 1) % n
         itemsize = buf.itemsize
-        next_sock = self._peers[nxt]
+        next_sock = self._sock(nxt)
         data = bytes_of(buf)
         own = (r + shift) % n
         for lo, hi in self._chunks(offsets[own], offsets[own + 1], itemsize):
@@ -309,6 +389,13 @@ class TcpCommunicator(MemberCommunicator):
                 else:
                     self._recv_into(root, data)
                 return
+            if self._use_tree(buf.nbytes):
+                parent, children = self._tree(root)
+                if parent is not None:
+                    self._recv_into(parent, data)
+                for child in children:
+                    self._send_now(child, data)
+                return
             # Pipelined chain root -> root+1 -> ... -> root-1: time ~ S/B, independent of size.
             pos = (self._rank - root) % self.size
             nxt, prv = (self._rank + 1) % self.size, (self._rank - 1) % self.size
@@ -318,7 +405,7 @@ class TcpCommunicator(MemberCommunicator):
                 if pos:
                     self._recv_into(prv, view)
                 if forward:
-                    self._sender.send(self._peers[nxt], view)
+                    self._sender.send(self._sock(nxt), view)
 
     # ---- alltoall -----------------------------------------------------------------------------
 
@@ -354,10 +441,13 @@ class TcpCommunicator(MemberCommunicator):
         sdata, rdata = bytes_of(sflat), bytes_of(rflat)
         with self._guard("alltoall"):
             # Step k: send to rank+k, receive from rank-k; the global step order prevents deadlock.
+            # Pairs that exchange nothing need no connection (sparse exchanges stay sparse).
             for peer in self._ring_order():
-                self._sender.send(self._peers[peer], sdata[soff[peer] * isz : soff[peer + 1] * isz])
+                if send_counts[peer]:
+                    self._sender.send(self._sock(peer), sdata[soff[peer] * isz : soff[peer + 1] * isz])
             for peer in self._ring_order(reverse=True):
-                self._recv_into(peer, rdata[roff[peer] * isz : roff[peer + 1] * isz])
+                if recv_counts[peer]:
+                    self._recv_into(peer, rdata[roff[peer] * isz : roff[peer + 1] * isz])
 
     # ---- reducescatter ------------------------------------------------------------------------
 
@@ -418,15 +508,19 @@ class TcpCommunicator(MemberCommunicator):
         self.allreduce(token, ReduceOp.SUM)
 
     def _send_object(self, peer: int, payload: bytes) -> None:
-        self._sender.send(self._peers[peer], memoryview(_LEN.pack(len(payload)) + payload))
+        self.small_messages_sent += 1
+        self._sender.send(self._sock(peer), memoryview(_LEN.pack(len(payload)) + payload))
 
-    def _recv_object(self, peer: int) -> Any:
+    def _recv_payload(self, peer: int) -> bytes:
         header = bytearray(_LEN.size)
         self._recv_into(peer, memoryview(header))
         (length,) = _LEN.unpack(header)
         payload = bytearray(length)
         self._recv_into(peer, memoryview(payload))
-        return pickle.loads(payload)  # the peer proved it holds the job secret
+        return bytes(payload)
+
+    def _recv_object(self, peer: int) -> Any:
+        return pickle.loads(self._recv_payload(peer))  # the peer proved it holds the job secret
 
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         self._check_open("gather_object")
@@ -434,6 +528,8 @@ class TcpCommunicator(MemberCommunicator):
         if self.size == 1:
             return [obj]
         with self._guard("gather_object"):
+            if self.size > DIRECT_MAX_PEERS:
+                return self._gather_object_tree(obj, root)
             if self._rank != root:
                 self._send_object(root, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
                 return None
@@ -444,12 +540,37 @@ class TcpCommunicator(MemberCommunicator):
                     out[peer] = self._recv_object(peer)
             return out
 
+    def _gather_object_tree(self, obj: Any, root: int) -> list[Any] | None:
+        """Up the binomial tree: each rank forwards its subtree's pickled objects as one message
+        (inner ranks never unpickle the payloads they carry)."""
+        parent, children = self._tree(root)
+        carried = [(self._rank, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))]
+        for child in reversed(children):  # smallest subtree first: it is ready first
+            carried.extend(self._recv_object(child))
+        if parent is not None:
+            self._send_object(parent, pickle.dumps(carried, protocol=pickle.HIGHEST_PROTOCOL))
+            return None
+        out: list[Any] = [None] * self.size
+        for member, payload in carried:
+            out[member] = obj if member == root else pickle.loads(payload)
+        return out
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         self._check_open("broadcast_object")
         check_root(root, self.size)
         if self.size == 1:
             return obj
         with self._guard("broadcast_object"):
+            if self.size > DIRECT_MAX_PEERS:
+                parent, children = self._tree(root)
+                if parent is None:
+                    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                else:
+                    payload = self._recv_payload(parent)
+                    obj = pickle.loads(payload)
+                for child in children:
+                    self._send_object(child, payload)
+                return obj
             if self._rank == root:
                 payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
                 for peer in range(self.size):
@@ -463,8 +584,6 @@ class TcpCommunicator(MemberCommunicator):
             return
         self._guard.closed = True
         self._sender.close()
-        self.shutdown_connections()
-        for sock in self._peers.values():
-            sock.close()
+        self._links.close()
         self._peers.clear()
 
