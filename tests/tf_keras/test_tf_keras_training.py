@@ -68,9 +68,10 @@ def _job() -> list:
         m.fit(bx, by, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         return weights(m)
 
-    def equivalence(kind: str, **options):
+    def equivalence(kind: str, wrapper=None, **options):
         def section():
-            got = fit(model(), hvd.DistributedOptimizer(make(kind), **options), BATCH, STEPS, True)
+            wrap = wrapper or hvd.DistributedOptimizer
+            got = fit(model(), wrap(make(kind), **options), BATCH, STEPS, True)
             k = options.get("backward_passes_per_step", 1)
             # k passes averaged locally == one step of 1 worker on k global batches at once
             want = fit(model(), make(kind), BATCH * k, STEPS // k, False) if r == 0 else None
@@ -218,6 +219,9 @@ def _job() -> list:
         ("aggregation", equivalence("legacy_sgd", backward_passes_per_step=2, average_aggregated_gradients=True)),
         # sgd, not adam: skipped passes count `iterations` (Horovod), which Adam's bias correction reads
         ("aggregation_new", equivalence("sgd", backward_passes_per_step=2, average_aggregated_gradients=True)),
+        # horovod.tensorflow.DistributedOptimizer hands a Keras optimizer to the Keras wrapper
+        ("tensorflow_wrapper", equivalence("legacy_sgd", wrapper=__import__("hora.tensorflow").tensorflow
+                                           .DistributedOptimizer)),
         ("custom_loop", custom_loop), ("horovod_hooks", horovod_hooks), ("callbacks", callbacks),
         ("load_model", load_model_round_trip), ("best_checkpoint", best_checkpoint), ("partial", partial),
         ("bad_input", bad_input),
@@ -249,7 +253,7 @@ def test_two_workers_match_one_on_the_whole_batch(job, kind):
     _check_equivalence(job, f"equivalence_{kind}")
 
 
-@pytest.mark.parametrize("section", ["aggregation", "aggregation_new"])
+@pytest.mark.parametrize("section", ["aggregation", "aggregation_new", "tensorflow_wrapper"])
 def test_backward_passes_per_step_match_one_worker_on_k_batches(job, section):
     _check_equivalence(job, section)
 

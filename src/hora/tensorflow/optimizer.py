@@ -80,6 +80,13 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
             gradient_predivide_factor=gradient_predivide_factor, op=op, backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
             scale_local_gradients=scale_local_gradients)
+    if keras_wrapper.uses_tf_keras() and not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        from hora.keras import keras2
+
+        if keras2.is_optimizer(optimizer):  # Keras 2 (TF_USE_LEGACY_KERAS=1): Horovod's Keras 2 wrapper
+            return keras2.wrap(optimizer, False, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, groups, process_set, scale_local_gradients)
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (tf.keras.optimizers.*) or a "
                         f"tf.compat.v1.train.Optimizer, got {type(optimizer).__module__}.{type(optimizer).__name__}")
