@@ -5,8 +5,10 @@ point is growth, not speed).
 For each world size: start-up time (launch to every rank initialised), 4-byte and 1 MiB allreduce
 time (mean per call, slowest rank), the steady-state engine cycle time (a cached 4-byte allreduce
 submitted and awaited back to back, which is one negotiation cycle plus the transport), and per
-process the open sockets and threads (largest over the ranks). Each size is one fresh job started by
-``hora.run``.
+process the open sockets and threads (largest over the ranks), the TCP peers a process connected to,
+and the point-to-point messages per rank of one steady-state cycle (the control-plane cost; with the
+shm transport the cycle's allreduce goes through shared memory and sends no messages). Each size is
+one fresh job started by ``hora.run``.
 
     python benchmarks/scaling_one_host.py                    # 2, 4, 8, 16, 32, 64 ranks
     python benchmarks/scaling_one_host.py --sizes 2,4,8 --json
@@ -36,6 +38,16 @@ def _sockets_and_threads() -> tuple[int, int]:
     return sockets, threads
 
 
+def _tcp_of(comm: Any) -> Any:
+    """The TCP communicator behind the engine's world: itself, or the one shm holds for objects."""
+    from hora.transport.tcp import TcpCommunicator
+
+    if isinstance(comm, TcpCommunicator):
+        return comm
+    inner = getattr(comm, "_mesh", None)
+    return inner if isinstance(inner, TcpCommunicator) else None
+
+
 def worker(launched_at: float, small_iters: int, big_iters: int) -> dict[str, Any] | None:
     import numpy as np
 
@@ -57,11 +69,19 @@ def worker(launched_at: float, small_iters: int, big_iters: int) -> dict[str, An
     small = timed(np.ones(1, np.float32), small_iters, "scaling.small")
     big = timed(np.ones(256 * 1024, np.float32), big_iters, "scaling.big")
     sockets, threads = _sockets_and_threads()
-    rounds_before = hora.basics.engine().negotiation_rounds
+    engine = hora.basics.engine()
+    tcp = _tcp_of(engine._sets[0].comm)  # a benchmark may look inside: the engine's world set
+    rounds_before = engine.negotiation_rounds
+    sent_before = tcp.small_messages_sent if tcp is not None else 0
     cycle = timed(np.ones(1, np.float32), small_iters, "scaling.small")  # cached: no name rounds
-    name_rounds = hora.basics.engine().negotiation_rounds - rounds_before
+    name_rounds = engine.negotiation_rounds - rounds_before
+    # Each timed allreduce is one cycle's control exchange plus the 4-byte allreduce itself (plus 3
+    # warm-up calls and a barrier); per call that is an upper bound on the control messages.
+    messages = (tcp.small_messages_sent - sent_before) / (small_iters + 4) if tcp is not None else 0.0
+    peers = len(tcp.connected_peers()) if tcp is not None else 0
     rows = hora.allgather_object({"ready": ready, "small": small, "big": big, "cycle": cycle,
-                                  "sockets": sockets, "threads": threads, "name_rounds": name_rounds})
+                                  "sockets": sockets, "threads": threads, "name_rounds": name_rounds,
+                                  "messages": messages, "peers": peers})
     rank = hora.rank()
     hora.shutdown()
     if rank != 0:
@@ -72,7 +92,9 @@ def worker(launched_at: float, small_iters: int, big_iters: int) -> dict[str, An
             "cached_cycle_us": max(r["cycle"] for r in rows) * 1e6,
             "name_rounds_in_steady_state": max(r["name_rounds"] for r in rows),
             "sockets_per_process": max(r["sockets"] for r in rows),
-            "threads_per_process": max(r["threads"] for r in rows)}
+            "threads_per_process": max(r["threads"] for r in rows),
+            "tcp_peers_per_process": max(r["peers"] for r in rows),
+            "p2p_msgs_per_call": max(r["messages"] for r in rows)}
 
 
 def measure(n: int, transport: str | None, small_iters: int, big_iters: int) -> dict[str, Any]:
@@ -101,10 +123,11 @@ def main() -> int:
         print(json.dumps(rows, indent=1))
         return 0
     cols = ("ranks", "startup_s", "allreduce_4B_us", "allreduce_1MiB_us", "cached_cycle_us",
-            "sockets_per_process", "threads_per_process", "name_rounds_in_steady_state")
-    print(" ".join(f"{c:>14}" for c in cols))
+            "sockets_per_process", "threads_per_process", "name_rounds_in_steady_state",
+            "tcp_peers_per_process", "p2p_msgs_per_call")
+    print(" | ".join(cols))
     for row in rows:
-        print(" ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
+        print(" | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else f"{row[c]}" for c in cols))
     return 0
 
 
