@@ -238,3 +238,16 @@ def test_autotune_vs_grid_benchmark_tunes_and_compares() -> None:
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert len(report["grid_mb_per_s"]) == 2 and report["autotune_log_rows"] == 4 + 1 + 1
     assert report["tuned_mb_per_s"] > 0 and report["ratio_tuned_to_best"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_lightning_vs_ddp_benchmark_trains_with_both_strategies() -> None:
+    pytest.importorskip("lightning")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "lightning_vs_ddp.py"), "--layers", "2", "--steps", "3",
+         "--warmup", "1", "--rounds", "1", "--json"],
+        capture_output=True, text=True, timeout=230, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert report["hora_median"] > 0 and report["ddp_median"] > 0 and report["gradient_tensors"] == 6
