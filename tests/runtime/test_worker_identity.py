@@ -30,11 +30,16 @@ def test_horovod_spellings_count_as_the_same_identity():
     assert identity.for_init(env).rank == 1
 
 
-@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"])
-def test_one_of_several_processes_of_another_launcher_is_refused(var):
-    with pytest.raises(HoraError, match=f"{var}=4.*hora run"):
-        identity.for_init({var: "4"})
-    assert identity.for_init({var: "1"}) is None
+def test_a_half_set_mpirun_environment_is_refused():
+    """Processes mpirun starts join its job (tests/mpi); its size without its rank is no such process."""
+    with pytest.raises(HoraError, match="OMPI_COMM_WORLD_SIZE=4 is set but OMPI_COMM_WORLD_RANK is not.*hora run"):
+        identity.for_init({"OMPI_COMM_WORLD_SIZE": "4"})
+
+
+@pytest.mark.parametrize("var", ["PMI_SIZE", "SLURM_NTASKS"])
+def test_a_size_alone_of_pmi_or_slurm_is_a_script_on_its_own(var):
+    # e.g. `python train.py` run directly inside an sbatch script, without srun: one process
+    assert identity.for_init({var: "4"}) is None
 
 
 def test_a_size_without_a_rendezvous_address_is_refused():
