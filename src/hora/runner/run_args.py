@@ -310,7 +310,8 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
                         "-H or --hostfile and hora starts them itself"),
     ("binding_args", None, "process binding is done by mpirun or jsrun, which hora does not use; "
                            "bind inside the command instead (e.g. taskset or numactl)"),
-    ("num_nccl_streams", None, "hora has no NCCL support yet (GPU tensors travel through host "
+    ("num_nccl_streams", None, "hora's collectives do not run on NCCL streams yet (hora.nccl is "
+                               "built but not wired into the engine: GPU tensors travel through host "
                                "memory), so there are no NCCL streams to set"),
     ("thread_affinity", None, "hora does not pin its background thread to a core; pin the whole "
                               "worker instead (e.g. taskset)"),
