@@ -72,3 +72,17 @@ def manifests(text: str) -> dict[str, dict]:
         if doc:
             objects[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return objects
+
+
+def start_cluster_or_skip(hosts: int):
+    """An emulated cluster of ``hosts`` started, or the test skipped saying why none can run here."""
+    import pytest
+    from emucluster import ClusterUnavailable, EmulatedCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no emulated cluster: {reason}")
+    try:
+        return EmulatedCluster(hosts).start()
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no emulated cluster: {exc}")

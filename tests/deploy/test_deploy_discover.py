@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy_helpers import CHART, REPO, manifests, render, renderer
-from emucluster import ClusterUnavailable, EmulatedCluster, unavailable_reason
+from deploy_helpers import CHART, REPO, manifests, render, renderer, start_cluster_or_skip
+from emucluster import EmulatedCluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,13 +31,7 @@ FQDN = f"{SERVICE}.{NAMESPACE}.svc.cluster.local"
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"no emulated cluster: {reason}")
-    try:
-        emulated = EmulatedCluster(3).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no emulated cluster: {exc}")
+    emulated = start_cluster_or_skip(3)
     netns_dir = Path("/etc/netns") / emulated.hosts[0].netns
     try:
         emulated.check_ssh()

@@ -16,8 +16,7 @@ import time
 
 import pytest
 
-from deploy_helpers import ENTRYPOINT, REPO
-from emucluster import ClusterUnavailable, EmulatedCluster, unavailable_reason
+from deploy_helpers import ENTRYPOINT, REPO, start_cluster_or_skip
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,13 +25,7 @@ PORT = "2223"  # the cluster's own sshd has 2222
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"no emulated cluster: {reason}")
-    try:
-        emulated = EmulatedCluster(2).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no emulated cluster: {exc}")
+    emulated = start_cluster_or_skip(2)
     try:
         yield emulated
     finally:
