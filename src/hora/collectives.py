@@ -17,6 +17,7 @@ from hora.engine import adasum
 from hora.engine.executor import reducescatter_rows
 from hora.engine.request import Handle, Kind, Request, dtype_name, signature
 from hora.horovod_args import check_sum_or_average, resolve_op
+from hora.nccl.submit import cuda_request, is_cuda
 from hora.transport.base import SUPPORTED_DTYPES
 
 
@@ -46,6 +47,10 @@ def _submit(requests: list[Request]) -> list[Handle]:
     return basics.engine().submit(requests)
 
 
+#: For bindings that build their own requests (CUDA tensors on NCCL: hora.torch.device).
+submit_requests = _submit
+
+
 def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: ProcessSet,
              output: np.ndarray | None = None, **fields: Any) -> Request:
     set_id = basics.process_set_id(process_set)
@@ -63,6 +68,10 @@ def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: 
                        inplace: bool = False, group: str = "", group_size: int = 0) -> Request:
     # The training hot path (every gradient, every step): positional arguments, no keyword packing.
     op = resolve_op(op, average)
+    if type(tensor) is not np.ndarray and is_cuda(tensor):  # CuPy, or any CUDA array: NCCL
+        return cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=op, prescale=prescale_factor,
+                            postscale=postscale_factor, group=group, group_size=group_size, inplace=inplace,
+                            required=True)
     arr = tensor if inplace else _as_array(tensor)
     if inplace:
         if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable:
@@ -115,6 +124,9 @@ def _group_names(name: str | None, count: int, kind: str, process_set: ProcessSe
     return base, [f"{base}.{i}" for i in range(count)]
 
 
+group_names = _group_names  # the grouped collectives' naming, shared with bindings that submit their own
+
+
 def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> list[Handle]:
@@ -159,6 +171,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name:
 
 def _allgather_request(tensor: Any, name: str | None, process_set: ProcessSet,
                        group: str = "", group_size: int = 0) -> Request:
+    if type(tensor) is not np.ndarray and is_cuda(tensor):
+        return cuda_request(Kind.ALLGATHER, tensor, name, process_set, group=group, group_size=group_size,
+                            required=True)
     arr = _as_array(tensor)
     if arr.ndim == 0:
         arr = arr.reshape(1)
@@ -190,6 +205,11 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
 def _broadcast_request(tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet,
                        inplace: bool) -> Request:
+    if type(tensor) is not np.ndarray and is_cuda(tensor):
+        if int(root_rank) not in process_set.ranks:
+            raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {process_set.ranks})")
+        return cuda_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank), inplace=inplace,
+                            required=True)
     arr = tensor if inplace else _as_array(tensor)
     if inplace and (not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable):
         raise ValueError("in-place broadcast needs a writeable, C-contiguous numpy array")
@@ -223,23 +243,32 @@ def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
 
 # ---- alltoall -----------------------------------------------------------------------------------
 
-def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Handle:
-    """Send ``splits[j]`` rows (first dimension) to rank j; equal splits when None."""
-    arr = _as_array(tensor)
-    if arr.ndim == 0:
+def alltoall_splits(shape: tuple[int, ...], splits: Any, process_set: ProcessSet) -> list[int]:
+    """The rows sent to each member: ``splits`` checked against ``shape``, or equal shares when None."""
+    if not shape:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     n = len(process_set.ranks)
     if splits is None:
-        if arr.shape[0] % n:
-            raise ValueError(f"alltoall without splits needs the first dimension ({arr.shape[0]}) "
+        if shape[0] % n:
+            raise ValueError(f"alltoall without splits needs the first dimension ({shape[0]}) "
                              f"divisible by the number of ranks ({n})")
-        split_list = [arr.shape[0] // n] * n
-    else:
-        split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
-        if len(split_list) != n or sum(split_list) != arr.shape[0] or min(split_list) < 0:
-            raise ValueError(f"splits {split_list} must have {n} non-negative entries adding up to "
-                             f"the first dimension {arr.shape[0]}")
+        return [shape[0] // n] * n
+    split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
+    if len(split_list) != n or sum(split_list) != shape[0] or min(split_list) < 0:
+        raise ValueError(f"splits {split_list} must have {n} non-negative entries adding up to "
+                         f"the first dimension {shape[0]}")
+    return split_list
+
+
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Send ``splits[j]`` rows (first dimension) to rank j; equal splits when None."""
+    on_cuda = type(tensor) is not np.ndarray and is_cuda(tensor)
+    arr = tensor if on_cuda else _as_array(tensor)  # a CUDA array: only its shape is read here
+    split_list = alltoall_splits(tuple(arr.shape), splits, process_set)
+    if on_cuda:
+        request = cuda_request(Kind.ALLTOALL, tensor, name, process_set, splits=tuple(split_list), required=True)
+        return _submit([request])[0]
     handle = _submit([_request(Kind.ALLTOALL, name, arr, process_set, splits=tuple(split_list))])[0]
     return handle
 
@@ -257,6 +286,9 @@ def _reducescatter_request(tensor: Any, name: str | None, op: int, process_set: 
                            prescale_factor: float, postscale_factor: float,
                            group: str = "", group_size: int = 0) -> Request:
     op = check_sum_or_average(op, "reducescatter")
+    if type(tensor) is not np.ndarray and is_cuda(tensor):
+        return cuda_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op, prescale=prescale_factor,
+                            postscale=postscale_factor, group=group, group_size=group_size, required=True)
     arr = _as_array(tensor)
     if arr.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")

@@ -26,6 +26,7 @@ from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
 from hora.errors import ConfigError, HoraError
+from hora.nccl.context import DeviceContext
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.rounds import Round, StaleRoundError
@@ -262,7 +263,11 @@ def assemble(comm: Sequence[int] | Any | None, previous: Joined | None) -> Runti
         path = config.get("timeline")
         if path and path.upper() != "DYNAMIC" and world.rank == 0:
             timeline = Timeline(path, bool(config.get("timeline_mark_cycles")))
-        engine = Engine(world, engine_settings(), make_communicator, timeline)
+        settings = engine_settings()
+        device = DeviceContext(store, scope, world.rank, settings.fusion_threshold,
+                               float(config.get("start_timeout")), world,
+                               bool(config.get("hierarchical_allreduce")))
+        engine = Engine(world, settings, make_communicator, timeline, device)
         if tuning is not None:
             engine.enable_autotune(replace(tuning, log_file=tuning.log_file if world.rank == 0 else None))
     except BaseException:

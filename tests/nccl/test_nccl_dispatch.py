@@ -11,6 +11,7 @@ from hora.engine.coordinator import Response
 from hora.engine.executor import Item
 from hora.engine.request import Handle, Kind, Request, signature
 from hora.nccl.communicators import CommunicatorTable
+from hora.nccl.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE
 from hora.nccl.device_tensor import DL_CUDA, DeviceBuffer, from_dlpack
 from hora.nccl.dispatch import DeviceExecutor, DeviceTensor, route
 from hora.nccl.ops import DeviceCollectives
@@ -118,3 +119,21 @@ def test_dlpack_buffer_of_a_real_tensor_feeds_the_executor_types():
     t = torch.arange(6, dtype=torch.float32)
     dev = DeviceTensor(t, from_dlpack(t), None, lambda shape: (None, None))
     assert dev.dtype == np.float32 and dev.shape == (6,)
+
+
+def test_hierarchical_allreduce_uses_the_host_communicator_and_the_cross_host_ring(executor):
+    ex, log, nccl = executor
+    crossed = []
+    ex.hierarchy = ([3], lambda host: crossed.append(host.size))  # this host holds rank 3 alone
+    done = {}
+    ex.run([_item(Kind.ALLREDUCE, (6,), _device((6,), 0x1000, []), op=ReduceOp.SUM),
+            _item(Kind.ALLREDUCE, (2,), _device((2,), 0x2000, []), op=ReduceOp.SUM)],
+           lambda item, result: done.setdefault(item.response.name, result))
+    # the set's communicator, then the host's (member 0 of 1: it made the id itself)
+    assert [(n, r) for n, _, r in nccl.inits] == [(2, 1), (1, 0)]
+    calls = [c[0] for c in log if c[0] in ("reduce", "broadcast", "all_reduce")]
+    assert calls == ["reduce", "broadcast", "reduce", "broadcast"]  # per tensor: into local rank 0, back out
+    assert crossed == [6, 2]  # each tensor crossed hosts once, through host memory
+    copies = [c[4] for c in log if c[0] == "memcpy"]
+    assert copies.count(DEVICE_TO_HOST) == 2 and copies.count(HOST_TO_DEVICE) == 2
+    assert done["t1000"] == ("input", 0x1000)

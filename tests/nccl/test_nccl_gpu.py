@@ -78,3 +78,46 @@ def test_data_movement_on_one_gpu(one_rank):
     rs = torch.empty(6, device="cuda")
     _run(torch, ops, lambda: ops.reducescatter(comm, describe(x), describe(rs), [6], ReduceOp.SUM))
     assert torch.equal(rs, x)
+
+
+def _torch_engine_job() -> dict:
+    import torch
+
+    import hora.torch as hvd
+    from hora import basics
+
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    out = {"sum": hvd.allreduce(x, op=hvd.Sum).cpu().tolist(), "avg_inplace": hvd.allreduce_(x.clone()).cpu().tolist()}
+    out["on_cuda"] = hvd.allreduce(x).is_cuda
+    out["gathered"] = hvd.allgather(x.reshape(4, 2)).shape[0]
+    out["device_path_used"] = basics.engine().device_context.started
+    out["host_and_device"] = hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist()
+    hvd.shutdown()
+    return out
+
+
+def test_hora_torch_cuda_tensors_take_nccl_through_the_engine():
+    import hora
+    from job_env import clean_env
+
+    size = 1  # one GPU: NCCL refuses two ranks of one communicator on the same device
+    [out] = hora.run(_torch_engine_job, np=size, env=clean_env(), start_timeout=120)
+    assert out["device_path_used"] and out["on_cuda"]
+    assert out["sum"] == [float(i) * size for i in range(8)]
+    assert out["avg_inplace"] == [float(i) for i in range(8)]
+    assert out["gathered"] == 4 * size
+    assert out["host_and_device"] == [float(size)] * 3
+
+
+def test_two_ranks_on_one_gpu_through_host_memory():
+    """Two ranks cannot share one GPU in a NCCL communicator, so HORA_NCCL=off takes the host path."""
+    import hora
+    from job_env import clean_env
+
+    results = hora.run(_torch_engine_job, np=2, env=clean_env({"HORA_NCCL": "off"}), start_timeout=120)
+    for out in results:
+        assert not out["device_path_used"] and out["on_cuda"]
+        assert out["sum"] == [float(i) * 2 for i in range(8)]
+        assert out["gathered"] == 8

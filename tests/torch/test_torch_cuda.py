@@ -2,9 +2,10 @@
 tensor on the input's device with the right values, in-place forms write into the CUDA tensor, and
 DistributedOptimizer trains a CUDA model to the same weights as one process on the whole batch.
 
-hora has no GPU transport yet, so CUDA tensors travel through host memory; these tests check that
-path end to end. They need a GPU and skip without one (CI has none; the CPU paths they share are
-covered by the other tests in this folder).
+With a GPU per rank, CUDA tensors take NCCL (hora.nccl); on a one-GPU machine the two ranks share
+it, which NCCL refuses, so the job sets HORA_NCCL=off and checks the host-memory path instead. They
+need a GPU and skip without one (CI has none; the engine's device path runs on CPU in
+tests/nccl/test_nccl_engine_path.py through an emulation, and the host paths in this folder).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def _sections() -> list[tuple[str, Any]]:
 
 @pytest.fixture(scope="module")
 def cuda2() -> JobResults:
-    return run_job(_sections, np=2)
+    one_gpu = torch.cuda.device_count() < 2
+    return run_job(_sections, np=2, env={"HORA_NCCL": "off"} if one_gpu else None)
 
 
 def test_cuda_allreduce_forms_stay_on_the_device_2ranks(cuda2):

@@ -47,10 +47,10 @@ class Response:
         if self.error is not None or sig.kind not in _FUSIBLE:
             return None
         if sig.kind == Kind.ALLREDUCE:
-            return (sig.kind, sig.dtype, sig.op, sig.prescale, sig.postscale, self.joined)
+            return (sig.kind, sig.dtype, sig.op, sig.prescale, sig.postscale, self.joined, sig.device)
         if sig.kind == Kind.BROADCAST:
-            return (sig.kind, sig.dtype, sig.root)
-        return (sig.kind, sig.dtype)  # allgather: tensors of any row shape fuse
+            return (sig.kind, sig.dtype, sig.root, sig.device)
+        return (sig.kind, sig.dtype, sig.device)  # allgather: tensors of any row shape fuse
 
     @cached_property
     def nbytes(self) -> int:
@@ -148,6 +148,12 @@ class Coordinator:
                 f"{ref.kind.value} of tensor {name!r} while ranks {[self.members[j] for j in joined]} "
                 "have joined; only allreduce supports join"
             )
+        if error is None and joined and ref.device:
+            error = (
+                f"{ref.kind.value} of CUDA tensor {name!r} on the NCCL path while ranks "
+                f"{[self.members[j] for j in joined]} have joined: a joined rank has no device buffer to "
+                "contribute; set HORA_NCCL=off to reduce CUDA tensors through host memory with join"
+            )
         if error is not None:
             return Response(name, ref, error=error)
         rows: tuple[int, ...] = ()
@@ -175,6 +181,8 @@ class Coordinator:
             ("prescale factors", lambda s: s.prescale),
             ("postscale factors", lambda s: s.postscale),
             ("groups", lambda s: s.group or "none"),
+            ("paths (HORA_NCCL; whether NCCL loads on each rank)",
+             lambda s: "NCCL on the device" if s.device else "host memory"),
         ]
         for label, value_of in checks:
             if any(value_of(sigs[m]) != value_of(ref) for m in members):

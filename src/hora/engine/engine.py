@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -96,6 +97,14 @@ class EngineSettings:
     stall_shutdown_s: float
 
 
+
+class DeviceContextLike(Protocol):
+    """The engine's view of :class:`hora.nccl.context.DeviceContext` (the engine imports no NCCL)."""
+
+    def runner(self, set_id: int, members: list[int]) -> Any: ...
+    def release(self, set_id: int) -> None: ...
+    def close(self) -> None: ...
+
 @dataclass
 class SetState:
     """Negotiation state of one process set on this rank."""
@@ -127,8 +136,12 @@ class Engine:
         settings: EngineSettings,
         make_communicator,
         timeline: Timeline | None = None,
+        device_context: DeviceContextLike | None = None,
     ) -> None:
         self.settings = settings
+        #: The world's NCCL side (hora.nccl.context.DeviceContext); untouched until a CUDA tensor is
+        #: negotiated for the device path. None: CUDA tensors always go through host memory.
+        self.device_context = device_context
         self.world = world
         self.global_rank = world.rank  # ranks as hora.rank() numbers them
         self._make_communicator = make_communicator
@@ -179,6 +192,9 @@ class Engine:
             coordinator=Coordinator(list(members)) if comm.rank == 0 else None,
         )
         state.executor.before_complete = lambda items, state=state: self._finished(state, items)
+        if self.device_context is not None:
+            context = self.device_context
+            state.executor.device_runner_factory = lambda: context.runner(set_id, list(members))
         self._sets[set_id] = state
         self._states = tuple(self._sets[k] for k in sorted(self._sets))
 
@@ -320,6 +336,11 @@ class Engine:
         for set_id, state in self._sets.items():
             if set_id != 0:
                 state.comm.close()
+        if self.device_context is not None:
+            try:
+                self.device_context.close()
+            except Exception as exc:  # noqa: BLE001 - shutdown goes on; what failed is logged
+                logger.warning("rank %d: closing the NCCL communicators failed: %s", self.global_rank, exc)
 
     def _fail_all(self, error: HorovodInternalError) -> None:
         """Fail every pending request of every process set (each queued request is also in its
@@ -794,6 +815,8 @@ class Engine:
                     removed.in_flight.clear()
             if removed is not None:
                 removed.comm.close()
+                if self.device_context is not None:
+                    self.device_context.release(set_id)
             self._finished(state, [item])
             if item.request is not None:
                 item.request.handle.set_result(existed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -43,6 +43,12 @@ class Item:
 
     def __repr__(self) -> str:
         return f"Item({self.response.name!r}, from_cache={self.from_cache})"
+
+
+class DeviceRunner(Protocol):
+    """Runs negotiated CUDA items through NCCL (:class:`hora.nccl.dispatch.DeviceExecutor`)."""
+
+    def run(self, items: list[Item], complete: Callable[[Item, Any], None]) -> None: ...
 
 
 @dataclass
@@ -153,6 +159,10 @@ class Executor:
         # (item, result or error, failed): handles of the running bucket, completed only once its
         # timeline events are written, so a stop_timeline() right after synchronize() loses none.
         self._finishing: list[tuple[Item, object, bool]] = []
+        #: Makes this set's device runner (:class:`hora.nccl.dispatch.DeviceExecutor`) the first time
+        #: a CUDA tensor on the NCCL path is negotiated, so a CPU-only job never touches CUDA or NCCL.
+        self.device_runner_factory: Callable[[], DeviceRunner] | None = None
+        self._device_runner: DeviceRunner | None = None
 
     def run(self, items: list[Item]) -> None:
         tl = self.timeline
@@ -162,11 +172,51 @@ class Executor:
                 tl.activity_start(item.response.name, "QUEUE")
         if len(items) == 1:  # the common steady-state cycle: nothing to plan
             self._activity(items, "QUEUE", False)
-            self._run_bucket(Bucket(None, items, 0))
+            response = items[0].response
+            if response.signature.device and response.error is None:
+                self._run_device(items)
+            else:
+                self._run_bucket(Bucket(None, items, 0))
             return
+        # CUDA tensors on the NCCL path run after the host buckets, in negotiated order: the same
+        # order on every member, which is what NCCL requires of its calls.
+        device_items = [i for i in items if i.response.signature.device and i.response.error is None]
+        if device_items:
+            items = [i for i in items if not (i.response.signature.device and i.response.error is None)]
         for bucket in plan_buckets(items, self.threshold):
             self._activity(bucket.items, "QUEUE", False)
             self._run_bucket(bucket)
+        if device_items:
+            self._activity(device_items, "QUEUE", False)
+            self._run_device(device_items)
+
+    def _run_device(self, items: list[Item]) -> None:
+        """Hand negotiated device items to the set's NCCL runner; it completes each with its framework
+        tensor once the collective is enqueued and chained after on the framework's stream."""
+        self._finishing = []
+        try:
+            runner = self._device_runner
+            if runner is None:
+                if self.device_runner_factory is None:
+                    raise RuntimeError(f"rank {self.members[self.comm.rank]}: a CUDA tensor was negotiated for "
+                                       "the NCCL path, but this engine has no device path")
+                runner = self._device_runner = self.device_runner_factory()
+            self._nccl_activity(items, True)
+            try:
+                runner.run(items, self._complete)
+            finally:
+                self._nccl_activity(items, False)
+        finally:
+            self._settle(items, None)
+
+    def _nccl_activity(self, items: list[Item], start: bool) -> None:
+        if self.timeline is not None:
+            for item in items:
+                self._activity([item], f"NCCL_{item.response.signature.kind.value}", start)
+
+    def close_device(self) -> None:
+        """Forget the device runner (its communicator is released by the engine's device context)."""
+        self._device_runner = None
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -197,7 +247,6 @@ class Executor:
 
     def _run_bucket(self, bucket: Bucket) -> None:
         items = bucket.items
-        tl = self.timeline
         first = items[0].response
         kind = first.signature.kind
         error: str | None = None
@@ -225,18 +274,23 @@ class Executor:
             elif kind == Kind.JOIN:
                 self._complete(items[0], self._global_rank(first.last_joined))
         finally:
-            if tl is not None:
-                for item in items:
-                    sig = item.response.signature
-                    tl.end(item.response.name, kind.value, sig.dtype, sig.shape, error)
-            finishing, self._finishing = self._finishing, []
-            self.before_complete([item for item, _, _ in finishing])
-            for item, outcome, failed in finishing:
-                if item.request is not None:
-                    if failed:
-                        item.request.handle.set_error(outcome)  # type: ignore[arg-type]
-                    else:
-                        item.request.handle.set_result(outcome)
+            self._settle(items, error)
+
+    def _settle(self, items: list[Item], error: str | None) -> None:
+        """End the items' timeline spans, do the engine's bookkeeping, then complete their handles."""
+        tl = self.timeline
+        if tl is not None:
+            for item in items:
+                sig = item.response.signature
+                tl.end(item.response.name, sig.kind.value, sig.dtype, sig.shape, error)
+        finishing, self._finishing = self._finishing, []
+        self.before_complete([item for item, _, _ in finishing])
+        for item, outcome, failed in finishing:
+            if item.request is not None:
+                if failed:
+                    item.request.handle.set_error(outcome)  # type: ignore[arg-type]
+                else:
+                    item.request.handle.set_result(outcome)
 
     def _global_rank(self, member: int) -> int:
         return self.members[member] if member >= 0 else member

@@ -60,11 +60,14 @@ class Signature:
     splits: tuple[int, ...] = ()  # alltoall: elements... rows this rank sends to each member
     set_ranks: tuple[int, ...] = ()  # ADD_PROCESS_SET: the new set's ranks
     set_id: int = -1  # REMOVE_PROCESS_SET: the set to remove
+    #: "" for the host path (the CPU transports), "cuda" for NCCL on the device (hora.nccl.path):
+    #: part of the signature so that ranks which chose different paths fail negotiation, naming both.
+    device: str = ""
 
     @cached_property
     def _key(self) -> tuple:
         return (self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
-                self.group, self.group_size, self.splits, self.set_ranks, self.set_id)
+                self.group, self.group_size, self.splits, self.set_ranks, self.set_id, self.device)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -100,14 +103,14 @@ _INTERN_LIMIT = 1 << 16  # distinct signatures kept; past it the table starts ov
 
 def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: ReduceOp = ReduceOp.SUM, root: int = -1,
               prescale: float = 1.0, postscale: float = 1.0, group: str = "", group_size: int = 0,
-              splits: tuple[int, ...] = ()) -> Signature:
+              splits: tuple[int, ...] = (), device: str = "") -> Signature:
     """The shared :class:`Signature` with these fields (created on first use)."""
-    key = (kind, dtype, shape, op, root, prescale, postscale, group, group_size, splits)
+    key = (kind, dtype, shape, op, root, prescale, postscale, group, group_size, splits, device)
     sig = _INTERNED.get(key)
     if sig is None:
         if len(_INTERNED) >= _INTERN_LIMIT:
             _INTERNED.clear()
-        sig = _INTERNED[key] = Signature(*key)
+        sig = _INTERNED[key] = Signature(*key[:10], device=device)
     return sig
 
 

@@ -35,6 +35,9 @@ class DeviceTensor:
     buffer: DeviceBuffer
     stream: int | None  # the framework's current stream (None: it has none to chain on)
     allocate: Allocate
+    #: allreduce/broadcast: whether the result overwrites ``tensor`` (``allreduce_``), or goes to a
+    #: new tensor that hora fills on its own stream (``allreduce``)
+    inplace: bool = True
 
     @property
     def dtype(self) -> np.dtype:
@@ -49,11 +52,12 @@ def route(tensor: Any, op: ReduceOp | None, mode: str, nccl_ready: Callable[[], 
           scaled: bool = False) -> PathChoice:
     """The path of any framework's tensor (reads only its device and dtype, never its data)."""
     kind_id = device_of(tensor)
-    dtype = _dtype_of(tensor)
+    dtype = dtype_of(tensor)
     return choose_path(kind_id, dtype, op, mode, nccl_ready, scaled)
 
 
-def _dtype_of(tensor: Any) -> np.dtype:
+def dtype_of(tensor: Any) -> np.dtype:
+    """A tensor's dtype from its CUDA array interface or DLPack header (never its data)."""
     if hasattr(tensor, "__cuda_array_interface__"):
         return np.dtype(tensor.__cuda_array_interface__["typestr"])
     return describe(tensor).dtype  # DLPack: reads the header only
@@ -63,46 +67,85 @@ class DeviceExecutor:
     """Runs one process set's negotiated device items through NCCL."""
 
     def __init__(self, collectives: DeviceCollectives, table: CommunicatorTable, set_key: Any,
-                 members: list[int], my_rank: int) -> None:
+                 members: list[int], my_rank: int,
+                 hierarchy: tuple[list[int], Callable[[np.ndarray], None]] | None = None) -> None:
         self.ops = collectives
         self.table = table
         self.set_key = set_key
         self.members = members
         self.my_rank = my_rank
+        #: (this host's global ranks, the cross-host allreduce of host memory) under hierarchical
+        #: allreduce across hosts: NCCL inside the host, hora's CPU transport among hosts
+        self.hierarchy = hierarchy
 
     def run(self, items: Sequence[Any], complete: Callable[[Any, Any], None]) -> None:
         """Enqueue ``items`` (engine items whose request buffers are :class:`DeviceTensor`) and
-        complete each with its framework result; completion means "enqueued and chained", not "done"."""
+        complete each with its framework result.
+
+        Completion means "enqueued, and every framework stream the items came from waits for it":
+        whatever the framework enqueues next on those streams sees the result. Items that came with
+        no stream (a framework without one to chain on) are completed only once the GPU is done.
+        """
         comm = self.table.get(self.set_key, self.members, self.my_rank)
-        allreduces = [i for i in items if i.response.signature.kind == Kind.ALLREDUCE]
-        first = items[0].request.buffer
-        producer = first.stream if first.stream is not None else 0
+        streams = list(dict.fromkeys(i.request.buffer.stream for i in items))
         results: dict[int, Any] = {}
 
         def body() -> None:
+            for stream in streams[1:]:  # ops.run orders after the first; the others join here
+                self.ops.after(stream if stream is not None else 0)
             # allreduces with one op and scales fuse into one bucket list; the rest run in order
             by_reduction: dict[tuple, list[Any]] = {}
-            for item in allreduces:
-                sig = item.response.signature
-                by_reduction.setdefault((sig.op, sig.prescale, sig.postscale), []).append(item)
+            for item in items:
+                if item.response.signature.kind == Kind.ALLREDUCE:
+                    sig = item.response.signature
+                    by_reduction.setdefault((sig.op, sig.prescale, sig.postscale), []).append(item)
             for (op, prescale, postscale), group in by_reduction.items():
-                self.ops.allreduce(comm, [i.request.buffer.buffer for i in group], ReduceOp(op), prescale, postscale)
-                for item in group:
-                    results[id(item)] = item.request.buffer.tensor
+                buffers = [self._target(item, results) for item in group]
+                self._allreduce(comm, buffers, ReduceOp(op), prescale, postscale)
             for item in items:
                 if item.response.signature.kind != Kind.ALLREDUCE:
                     results[id(item)] = self._one(comm, item)
 
-        self.ops.run(producer, first.stream, body)
+        first = streams[0]
+        done = self.ops.run(first if first is not None else 0, None, body)
+        for stream in streams:
+            if stream is None:
+                self.ops.cuda.event_synchronize(done)
+            else:
+                self.ops.cuda.stream_wait_event(stream, done)
         for item in items:
             complete(item, results[id(item)])
+
+    def _target(self, item: Any, results: dict[int, Any]) -> DeviceBuffer:
+        """The buffer an allreduce or broadcast works on: the input itself in place, else a new
+        tensor filled from the input on hora's stream (its result)."""
+        dev = item.request.buffer
+        if dev.inplace:
+            results[id(item)] = dev.tensor
+            return dev.buffer
+        out, out_buf = dev.allocate(tuple(dev.shape))
+        self.ops.copy(out_buf, dev.buffer)
+        results[id(item)] = out
+        return out_buf
+
+    def _allreduce(self, comm: Any, buffers: list[DeviceBuffer], op: ReduceOp, prescale: float,
+                   postscale: float) -> None:
+        if self.hierarchy is not None and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            host_ranks, cross_allreduce = self.hierarchy
+            local = self.table.get(("local", host_ranks[0]), host_ranks, self.my_rank)
+            for buffer in buffers:
+                self.ops.hierarchical_allreduce(local, buffer, op, cross_allreduce, prescale, postscale,
+                                                world_size=comm.size)
+            return
+        self.ops.allreduce(comm, buffers, op, prescale, postscale)
 
     def _one(self, comm: Any, item: Any) -> Any:
         sig, response, dev = item.response.signature, item.response, item.request.buffer
         row = sig.row_count
         if sig.kind == Kind.BROADCAST:
-            self.ops.broadcast(comm, dev.buffer, self.members.index(sig.root))
-            return dev.tensor
+            results: dict[int, Any] = {}
+            self.ops.broadcast(comm, self._target(item, results), self.members.index(sig.root))
+            return results[id(item)]
         if sig.kind == Kind.ALLGATHER:
             out, out_buf = dev.allocate((sum(response.rows),) + tuple(sig.shape[1:]))
             self.ops.allgather(comm, dev.buffer, out_buf, [r * row for r in response.rows])

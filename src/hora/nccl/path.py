@@ -81,5 +81,7 @@ def _device_refusal(dtype: np.dtype, op: ReduceOp | None, mode: str,
         return "a Sum of booleans would overflow NCCL's uint8"
     if scaled and op is not None and ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         return f"NCCL scales only Sums, not {ReduceOp(op).name}"
+    if op is not None and np.dtype(dtype).kind in "iu" and (scaled or ReduceOp(op) == ReduceOp.AVERAGE):
+        return "NCCL would scale integers by a rounded integer factor (Average or prescale/postscale)"
     ready, why = nccl_ready()
     return None if ready else f"NCCL unusable ({why})"

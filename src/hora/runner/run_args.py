@@ -310,9 +310,9 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
                         "-H or --hostfile and hora starts them itself"),
     ("binding_args", None, "process binding is done by mpirun or jsrun, which hora does not use; "
                            "bind inside the command instead (e.g. taskset or numactl)"),
-    ("num_nccl_streams", None, "hora's collectives do not run on NCCL streams yet (hora.nccl is "
-                               "built but not wired into the engine: GPU tensors travel through host "
-                               "memory), so there are no NCCL streams to set"),
+    ("num_nccl_streams", None, "hora runs every NCCL collective of a process on one CUDA stream of "
+                               "its own (Horovod's default of 1), ordered after the framework's with "
+                               "events; more streams are not supported, so leave the flag out"),
     ("thread_affinity", None, "hora does not pin its background thread to a core; pin the whole "
                               "worker instead (e.g. taskset)"),
     ("hierarchical_allgather", True, "hora has no hierarchical allgather yet; its allgather "

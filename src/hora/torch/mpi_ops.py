@@ -15,7 +15,9 @@ import torch
 from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, Sum, global_process_set
 from hora.handles import ConvertingHandle
+from hora.engine.request import Kind
 from hora.torch.compression import Compression
+from hora.torch.device import cuda_request
 from hora.torch.tensors import as_array, check_dtype, from_array, shares_memory
 
 
@@ -45,6 +47,34 @@ def synchronize(handle: TorchHandle) -> Any:
     return handle.wait()
 
 
+# ---- CUDA tensors on NCCL (hora.torch.device); everything else goes through host memory -----------
+
+def _same(result: Any) -> Any:
+    return result
+
+
+def _grouped_cuda(tensors: Sequence[torch.Tensor], kind: str, name: str | None, process_set: ProcessSet,
+                  inplace: bool, **fields: Any) -> TorchHandle | None:
+    """A grouped collective on NCCL when every member takes the device path, else None (host path)."""
+    if not tensors or not all(t.is_cuda for t in tensors):
+        return None
+    base, names = collectives.group_names(name, len(tensors), kind, process_set)
+    requests = [cuda_request(Kind.ALLREDUCE, t, n, process_set, inplace, group=base, group_size=len(tensors),
+                             **fields) for t, n in zip(tensors, names)]
+    if any(r is None for r in requests):
+        return None
+    return TorchHandle(collectives.submit_requests(requests), _same)
+
+
+def _broadcast_cuda(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
+                    inplace: bool) -> Any:
+    if not tensor.is_cuda:
+        return None
+    if int(root_rank) not in process_set.ranks:
+        raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {process_set.ranks})")
+    return cuda_request(Kind.BROADCAST, tensor, name, process_set, inplace, root=int(root_rank))
+
+
 # ---- allreduce ----------------------------------------------------------------------------------
 
 def _new_tensor(like: torch.Tensor) -> Callable[[np.ndarray], torch.Tensor]:
@@ -70,6 +100,11 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start reducing ``tensor`` across ranks; :func:`synchronize` returns a new tensor."""
+    if tensor.is_cuda:  # on NCCL when it can carry it: the result is a CUDA tensor, chained on its stream
+        request = cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=horovod_args.resolve_op(op, average),
+                               prescale=prescale_factor, postscale=postscale_factor)
+        if request is not None:
+            return TorchHandle(collectives.submit_requests([request])[0], _same)
     handle = collectives.allreduce_async(as_array(tensor), average, name, op, prescale_factor,
                                          postscale_factor, process_set)
     return TorchHandle(handle, _new_tensor(tensor))
@@ -79,6 +114,12 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start reducing ``tensor`` in place."""
+    if tensor.is_cuda:
+        request = cuda_request(Kind.ALLREDUCE, tensor, name, process_set, inplace=True,
+                               op=horovod_args.resolve_op(op, average), prescale=prescale_factor,
+                               postscale=postscale_factor)
+        if request is not None:
+            return TorchHandle(collectives.submit_requests([request])[0], _same)
     buf, finish = _inplace(tensor)
     handle = collectives.allreduce_async_(buf, average, name, op, prescale_factor, postscale_factor, process_set)
     return TorchHandle(handle, finish)
@@ -122,6 +163,10 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start reducing a list of tensors as one fused unit."""
+    device = _grouped_cuda(tensors, "allreduce", name, process_set, False, op=horovod_args.resolve_op(op, average),
+                           prescale=prescale_factor, postscale=postscale_factor)
+    if device is not None:
+        return device
     handles = collectives.grouped_allreduce_async([as_array(t) for t in tensors], average, name, op,
                                                   prescale_factor, postscale_factor, process_set)
     likes = list(tensors)
@@ -131,6 +176,10 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> TorchHandle:
+    device = _grouped_cuda(tensors, "allreduce", name, process_set, True, op=horovod_args.resolve_op(op, average),
+                           prescale=prescale_factor, postscale=postscale_factor)
+    if device is not None:
+        return device
     pairs = [_inplace(t) for t in tensors]
     handles = collectives.grouped_allreduce_async_([buf for buf, _ in pairs], average, name, op,
                                                    prescale_factor, postscale_factor, process_set)
@@ -176,6 +225,9 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start concatenating every rank's tensor along dimension 0."""
+    request = cuda_request(Kind.ALLGATHER, tensor if tensor.dim() else tensor.reshape(1), name, process_set)
+    if request is not None:
+        return TorchHandle(collectives.submit_requests([request])[0], _same)
     return TorchHandle(collectives.allgather_async(as_array(tensor), name, process_set), _new_tensor(tensor))
 
 
@@ -237,12 +289,18 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+    request = _broadcast_cuda(tensor, root_rank, name, process_set, False)
+    if request is not None:
+        return TorchHandle(collectives.submit_requests([request])[0], _same)
     return TorchHandle(collectives.broadcast_async(as_array(tensor), root_rank, name, process_set),
                        _new_tensor(tensor))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> TorchHandle:
+    request = _broadcast_cuda(tensor, root_rank, name, process_set, True)
+    if request is not None:
+        return TorchHandle(collectives.submit_requests([request])[0], _same)
     buf, finish = _inplace(tensor)
     return TorchHandle(collectives.broadcast_async_(buf, root_rank, name, process_set), finish)
 
@@ -283,6 +341,12 @@ def _splits_list(splits: Any) -> Any:
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start sending ``splits[j]`` rows to rank j; synchronize returns ``(output, received_splits)``."""
+    if tensor.is_cuda:
+        split_list = collectives.alltoall_splits(tuple(tensor.shape), _splits_list(splits), process_set)
+        request = cuda_request(Kind.ALLTOALL, tensor, name, process_set, splits=tuple(split_list))
+        if request is not None:
+            return TorchHandle(collectives.submit_requests([request])[0],
+                               lambda res: (res[0], torch.from_numpy(res[1]).to(torch.int32)))
     handle = collectives.alltoall_async(as_array(tensor), _splits_list(splits), name, process_set)
     return TorchHandle(handle, lambda res: (from_array(res[0], tensor), torch.from_numpy(res[1]).to(torch.int32)))
 
@@ -313,6 +377,12 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> TorchHandle:
+    if tensor.is_cuda and tensor.dim():
+        request = cuda_request(Kind.REDUCESCATTER, tensor, name, process_set,
+                               op=horovod_args.check_sum_or_average(op, "reducescatter"),
+                               prescale=prescale_factor, postscale=postscale_factor)
+        if request is not None:
+            return TorchHandle(collectives.submit_requests([request])[0], _same)
     handle = collectives.reducescatter_async(as_array(tensor), name, op, process_set, prescale_factor,
                                              postscale_factor)
     return TorchHandle(handle, _new_tensor(tensor))

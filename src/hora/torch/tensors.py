@@ -1,8 +1,9 @@
 """Torch tensors as the engine's NumPy buffers, without copies where the memory layout allows.
 
 A contiguous CPU tensor shares its memory with the NumPy array the engine reduces, so an in-place
-collective writes straight into the tensor. Other tensors (CUDA, non-contiguous) go through a host
-copy: there is no GPU transport yet (``hora check`` says so).
+collective writes straight into the tensor. CUDA tensors take NCCL when it can carry them
+(:mod:`hora.torch.device`); the rest (non-contiguous, or CUDA tensors with ``HORA_NCCL=off`` or no
+usable NCCL) go through a host copy (``hora check`` says which).
 """
 
 from __future__ import annotations

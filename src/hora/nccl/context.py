@@ -1,0 +1,176 @@
+"""The process's device side for one world: its GPU, hora's stream, and NCCL communicators by set.
+
+The engine owns one :class:`DeviceContext` per world. Nothing in it touches CUDA or NCCL until a CUDA
+tensor is negotiated for the NCCL path, so a CPU job never loads either library. Then the first
+item's device becomes the process's device (one GPU per process, as in Horovod), hora's stream and
+the device fusion buffer are made on it, and each process set gets its communicator, its unique id
+carried by the world's authenticated rendezvous under the world's scope. :meth:`DeviceContext.close`
+(engine shutdown: ``hora.shutdown()``, an elastic reset) destroys them all; the next world has a new
+scope, so it never reads an old unique id.
+
+The CUDA runtime and NCCL come from :func:`set_backend`'s factory when one is set: the tests drive
+this whole path on CPU through a host-memory emulation of both (``tests/nccl/nccl_emulation.py``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any, Callable, Sequence
+
+from hora.errors import HoraError
+from hora.nccl.communicators import CommunicatorTable, Store
+from hora.nccl.dispatch import DeviceExecutor
+from hora.nccl.ops import DeviceCollectives
+from hora.transport.base import Communicator, ReduceOp
+
+#: () -> (CUDA runtime, NCCL): the real libraries unless a test installed an emulation.
+BackendFactory = Callable[[], tuple[Any, Any]]
+
+_backend_factory: BackendFactory | None = None
+_backend_reason = ""
+
+
+def set_backend(factory: BackendFactory | None, reason: str = "") -> None:
+    """Use ``factory``'s CUDA runtime and NCCL instead of the libraries (None: the libraries again).
+
+    ``reason`` is what :func:`ready` reports for it (the path choice's log line and errors).
+    """
+    global _backend_factory, _backend_reason
+    _backend_factory, _backend_reason = factory, reason
+
+
+def ready() -> tuple[bool, str]:
+    """Whether the NCCL path can run in this process, and why not (read once per CUDA tensor path
+    choice; a CPU tensor never asks)."""
+    if _backend_factory is not None:
+        return True, _backend_reason or "a test backend"
+    from hora.nccl.library import nccl_status
+
+    return nccl_status()
+
+
+def _real_backend() -> tuple[Any, Any]:
+    from hora.nccl.cudart import CudaRuntime
+    from hora.nccl.library import Nccl
+
+    return CudaRuntime(), Nccl()
+
+
+class DeviceContext:
+    """One world's device resources on this rank, made on first use and closed with the engine."""
+
+    def __init__(self, store: Store, scope: str, global_rank: int, fusion_threshold: int,
+                 timeout: float = 60.0, world: Communicator | None = None, hierarchical: bool = False) -> None:
+        self._store = store
+        self._scope = scope
+        self.global_rank = global_rank
+        self._fusion_threshold = fusion_threshold
+        self._timeout = timeout
+        self._world = world
+        self._hierarchical = hierarchical
+        self._lock = threading.Lock()
+        self._cuda: Any = None
+        self._collectives: DeviceCollectives | None = None
+        self._table: CommunicatorTable | None = None
+        self.device: int | None = None
+        self._closed = False
+
+    # ---- the engine's side ----------------------------------------------------------------------
+
+    def runner(self, set_id: int, members: list[int]) -> "SetRunner":
+        """What the executor of set ``set_id`` (global ranks ``members``) hands device items to."""
+        return SetRunner(self, set_id, members)
+
+    def release(self, set_id: int) -> None:
+        """The set was removed: destroy its communicator (a new set with its id gets a new epoch)."""
+        if self._table is not None:
+            self._table.release(set_id)
+
+    def close(self) -> None:
+        """Destroy every communicator, then the fusion buffer (the engine has stopped)."""
+        with self._lock:
+            self._closed = True
+            table, collectives = self._table, self._collectives
+            self._table = self._collectives = None
+        if table is not None:
+            table.close()
+        if collectives is not None:
+            collectives.close()
+
+    @property
+    def started(self) -> bool:
+        return self._collectives is not None
+
+    # ---- first use ------------------------------------------------------------------------------
+
+    def start(self, items: Sequence[Any]) -> tuple[DeviceCollectives, CommunicatorTable]:
+        """The collectives and communicator table, made on the first items' GPU; checks that every
+        item is on that GPU, and makes it current in the calling thread (the engine's thread or a
+        thread driving a cycle: CUDA's current device is per thread)."""
+        with self._lock:
+            if self._closed:
+                raise HoraError(f"rank {self.global_rank}: the device path was used after hora shut down")
+            if self._collectives is None:
+                factory = _backend_factory or _real_backend
+                cuda, nccl = factory()
+                device = self._device_of(cuda, items[0])
+                cuda.set_device(device)
+                self._cuda, self.device = cuda, device
+                self._collectives = DeviceCollectives(cuda, nccl, self._fusion_threshold)
+                self._table = CommunicatorTable(nccl, self._store, self._scope, self._timeout,
+                                                before_init=lambda: cuda.set_device(device))
+            else:
+                self._cuda.set_device(self.device)
+            for item in items:
+                here = self._device_of(self._cuda, item)
+                if here != self.device:
+                    raise HoraError(
+                        f"rank {self.global_rank} on {socket.gethostname()}: tensor {item.response.name!r} is on "
+                        f"cuda:{here}, but this process's NCCL collectives run on cuda:{self.device} (the "
+                        "first CUDA tensor's device); hora uses one GPU per process, as Horovod does")
+            return self._collectives, self._table  # type: ignore[return-value]
+
+    @staticmethod
+    def _device_of(cuda: Any, item: Any) -> int:
+        buffer = item.request.buffer.buffer
+        if buffer.device_id >= 0:
+            return int(buffer.device_id)
+        return int(cuda.pointer_device(buffer.ptr))  # __cuda_array_interface__ does not name it
+
+    def cross_host(self, set_id: int) -> tuple[list[int], Callable[[Any], None]] | None:
+        """For the global set under hierarchical allreduce across hosts: this host's ranks and the
+        host-memory allreduce among the hosts' first ranks; None otherwise (flat NCCL)."""
+        world = self._world
+        if not self._hierarchical or set_id != 0 or world is None:
+            return None
+        local, cross = getattr(world, "local", None), getattr(world, "cross", None)
+        if local is None or local.size == world.size or not getattr(world, "use_hierarchy", True):
+            return None
+        host_ranks = [int(r) for r in local.allgather_object(self.global_rank)]
+
+        def cross_allreduce(host_buffer: Any) -> None:
+            if cross is not None and cross.size > 1:
+                cross.allreduce(host_buffer, ReduceOp.SUM)
+
+        return host_ranks, cross_allreduce
+
+
+class SetRunner:
+    """One process set's device runner: a :class:`DeviceExecutor`, made at the set's first device
+    items (the executor's ``device_runner_factory`` returns this)."""
+
+    def __init__(self, context: DeviceContext, set_id: int, members: list[int]) -> None:
+        self.context = context
+        self.set_id = set_id
+        self.members = members
+        self._executor: DeviceExecutor | None = None
+
+    def run(self, items: Sequence[Any], complete: Callable[[Any, Any], None]) -> None:
+        collectives, table = self.context.start(items)
+        executor = self._executor
+        if executor is None:
+            executor = self._executor = DeviceExecutor(collectives, table, self.set_id, self.members,
+                                                       self.context.global_rank,
+                                                       self.context.cross_host(self.set_id))
+        executor.run(items, complete)
