@@ -13,6 +13,13 @@ one fresh job started by ``hora.run``.
     python benchmarks/scaling_one_host.py                    # 2, 4, 8, 16, 32, 64 ranks
     python benchmarks/scaling_one_host.py --sizes 2,4,8 --json
     python benchmarks/scaling_one_host.py --transport tcp    # HORA_TRANSPORT=tcp: the TCP mesh
+    python benchmarks/scaling_one_host.py --launcher         # `hora run -np N` of a trivial script
+
+``--launcher`` measures the launcher alone, without hora in the workers: ``hora run -np N`` of a
+script that prints one line and sleeps 2 s. "start-up" is launch until every rank's line came back
+through the launcher (so it includes output routing), the threads are the launcher's while all
+ranks run, and "exit" is launch until ``hora run`` returned. ``--launcher-python-path DIR`` runs the
+launcher from another checkout's ``src`` (to compare with an older commit).
 """
 
 from __future__ import annotations
@@ -110,6 +117,39 @@ def measure(n: int, transport: str | None, small_iters: int, big_iters: int) -> 
     return result
 
 
+_LAUNCHED_SCRIPT = "import time; print('up', flush=True); time.sleep(2)"
+
+
+def _threads_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def measure_launcher(n: int, python_path: str | None) -> dict[str, Any]:
+    """Time ``hora run -np n`` of a trivial script and count the launcher's threads meanwhile."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    if python_path:
+        env["PYTHONPATH"] = python_path
+    launched = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "hora", "run", "-np", str(n), sys.executable, "-c",
+                             _LAUNCHED_SCRIPT], stdout=subprocess.PIPE, env=env, text=True)
+    assert proc.stdout is not None
+    seen: set[str] = set()
+    for line in proc.stdout:
+        if line.rstrip().endswith("<stdout>:up"):
+            seen.add(line.split("]", 1)[0])
+            if len(seen) == n:
+                break
+    startup = time.perf_counter() - launched
+    threads = _threads_of(proc.pid)
+    proc.stdout.read()
+    code = proc.wait(timeout=600)
+    return {"ranks": n, "launcher_startup_s": startup, "launcher_threads": threads,
+            "exit_s": time.perf_counter() - launched, "ranks_seen": len(seen), "exit_code": code}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2,4,8,16,32,64")
@@ -117,7 +157,15 @@ def main() -> int:
     parser.add_argument("--small-iters", type=int, default=200)
     parser.add_argument("--big-iters", type=int, default=10)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--launcher", action="store_true", help="time `hora run` alone (see above)")
+    parser.add_argument("--launcher-python-path", default=None)
     args = parser.parse_args()
+    if args.launcher:
+        rows = [measure_launcher(int(n), args.launcher_python_path) for n in args.sizes.split(",")]
+        cols: tuple[str, ...] = ("ranks", "launcher_startup_s", "exit_s", "launcher_threads",
+                                 "ranks_seen", "exit_code")
+        print(json.dumps(rows, indent=1) if args.json else _table(rows, cols))
+        return 0
     rows = [measure(int(n), args.transport, args.small_iters, args.big_iters) for n in args.sizes.split(",")]
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -125,10 +173,15 @@ def main() -> int:
     cols = ("ranks", "startup_s", "allreduce_4B_us", "allreduce_1MiB_us", "cached_cycle_us",
             "sockets_per_process", "threads_per_process", "name_rounds_in_steady_state",
             "tcp_peers_per_process", "p2p_msgs_per_call")
-    print(" | ".join(cols))
-    for row in rows:
-        print(" | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else f"{row[c]}" for c in cols))
+    print(_table(rows, cols))
     return 0
+
+
+def _table(rows: list[dict[str, Any]], cols: tuple[str, ...]) -> str:
+    lines = [" | ".join(cols)]
+    for row in rows:
+        lines.append(" | ".join(f"{row[c]:.2f}" if isinstance(row[c], float) else f"{row[c]}" for c in cols))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

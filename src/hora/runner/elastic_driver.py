@@ -49,6 +49,7 @@ from hora.runner.discovery import DiscoveryError, HostDiscovery
 from hora.runner.elastic_hosts import HostRegistry, Plan, describe_plan, plan_size, plan_slots, plan_world
 from hora.runner.hosts import SlotInfo
 from hora.runner.job import Job
+from hora.runner.exits import ExitWatcher
 from hora.runner.launch import JobOutcome, WorkerExit, _explained, _SignalTrap, start_worker
 from hora.runner.locality import is_local_host
 from hora.runner.process import describe_returncode, signal_name
@@ -246,6 +247,7 @@ class ElasticDriver:
         self._workers: dict[int, _Worker] = {}
         self._exits: queue.Queue[tuple[int, int, str | None]] = queue.Queue()
         self._exited = threading.Event()  # set with every exit put on _exits
+        self._watcher = ExitWatcher(self._exit_seen)  # one thread for every worker's exit
         self._plan: Plan = ()
         self._round: Round | None = None
         self._round_opened = 0.0
@@ -306,6 +308,7 @@ class ElasticDriver:
                 if callable(close):
                     close()  # a discovery script still running must not outlive the job
                 self._stop_everyone()
+                self._watcher.close()
                 if not self.launcher.drain_output(_OUTPUT_DRAIN_SECONDS):
                     logger.warning("some worker output pipes were still open after %.0f s",
                                    _OUTPUT_DRAIN_SECONDS)
@@ -455,12 +458,10 @@ class ElasticDriver:
         worker = _Worker(number, slot.hostname, slot.local_rank, process, slot.rank)
         self._workers[number] = worker
         self.outcome.returncodes[number] = None
-        threading.Thread(target=self._wait_for, args=(worker,), name=f"hora-wait-{number}",
-                         daemon=True).start()
+        self._watcher.watch(number, process)
 
-    def _wait_for(self, worker: _Worker) -> None:
-        returncode, detail = worker.process.wait()
-        self._exits.put((worker.number, returncode, detail))
+    def _exit_seen(self, number: int, returncode: int, detail: str | None) -> None:
+        self._exits.put((number, returncode, detail))
         self._exited.set()
 
     def _watch_round(self) -> None:

@@ -1,7 +1,9 @@
 """Supervising a job's worker processes, here and on remote hosts, until the job ends.
 
 The rule (Horovod's): the first worker to fail, by a non-zero exit or a signal, ends the job. The
-supervisor notices at once (a thread per worker blocks in ``wait`` and reports to a queue), stops
+supervisor notices at once (one :class:`~hora.runner.exits.ExitWatcher` thread holds every worker's
+pidfd and reports exits to a queue; output is read by one thread too, so a 64-rank job costs the
+launcher two threads, not 192), stops
 every other worker, and reports which rank failed, where and how. A local worker is stopped by
 SIGTERM to its process group, SIGKILL after the grace period; a remote one (started over SSH, see
 :mod:`hora.runner.remote`) by closing its ssh channel's stdin, on which the remote wrapper does the
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from hora.errors import LaunchError
+from hora.runner.exits import ExitWatcher
 from hora.runner.output import OutputRouter
 from hora.runner.process import LocalWorker, describe_returncode, exit_status_for, signal_name
 from hora.runner.remote import RemoteTarget, RemoteWorker
@@ -186,8 +189,8 @@ def start_worker(spec: WorkerSpec, router: OutputRouter, label: int) -> LocalWor
         raise LaunchError(f"cannot start rank {spec.rank} on {spec.host}: {reason}: {program!r}") from None
     logger.info("started rank %d on %s (%s): %s", spec.rank, spec.host, worker.describe(), " ".join(spec.argv))
     if isinstance(worker, RemoteWorker):
-        threads = router.attach(label, worker.stdout, worker.stderr, files, stderr_filter=worker.filter_stderr)
-        worker.attach_stderr_thread(threads.get("stderr"))
+        done = router.attach(label, worker.stdout, worker.stderr, files, stderr_filter=worker.filter_stderr)
+        worker.attach_stderr_done(done.get("stderr"))
     else:
         router.attach(label, worker.stdout, worker.stderr, files)
     return worker
@@ -205,6 +208,7 @@ class _Supervisor:
         self.exits: queue.Queue[tuple[int, int, str | None]] = queue.Queue()
         self.running: set[int] = set()
         self.outcome = JobOutcome(size=len(self.specs))
+        self.watcher = ExitWatcher(lambda rank, code, detail: self.exits.put((rank, code, detail)))
 
     def start_all(self) -> None:
         for spec in self.specs:
@@ -212,12 +216,7 @@ class _Supervisor:
             self.workers[spec.rank] = worker
             self.running.add(spec.rank)
             self.outcome.returncodes[spec.rank] = None
-            threading.Thread(target=self._wait_for, args=(spec.rank, worker),
-                             name=f"hora-wait-{spec.rank}", daemon=True).start()
-
-    def _wait_for(self, rank: int, worker: LocalWorker | RemoteWorker) -> None:
-        returncode, detail = worker.wait()
-        self.exits.put((rank, returncode, detail))
+            self.watcher.watch(spec.rank, worker)
 
     def _record(self, rank: int, returncode: int) -> None:
         self.running.discard(rank)
@@ -314,6 +313,7 @@ def run_workers(
             supervisor.supervise()
         finally:
             supervisor.stop_all()
+            supervisor.watcher.close()
             if not router.join(_OUTPUT_DRAIN_SECONDS):
                 logger.warning("some worker output pipes were still open after %.0f s; "
                                "a worker's child may have escaped its process group",

@@ -1,8 +1,10 @@
 """Forwarding workers' output to the launcher, one whole line at a time.
 
-Every worker's stdout and stderr are pipes read by a thread each. A complete line is written to the
-launcher's stream with Horovod's prefix (``[3]<stdout>:``) and flushed under one lock shared by all
-ranks and both streams, so lines from different ranks never interleave mid-line. Bytes are decoded
+Every worker's stdout and stderr are pipes, all read by one thread through a selector (a thread per
+pipe would cost a 64-rank job 128 threads). Each pipe keeps its own partial line; a complete line is
+written to the launcher's stream with Horovod's prefix (``[3]<stdout>:``), so lines from different
+ranks never interleave mid-line and each rank's lines keep their order. At end of file the last
+partial line is forwarded too, so nothing a worker wrote before exiting is lost. Bytes are decoded
 with ``errors="replace"``: a worker printing binary garbage cannot crash the launcher. With an output
 directory, each rank's raw bytes also go to ``DIR/rank.<N>/stdout`` and ``DIR/rank.<N>/stderr``
 (Horovod's layout).
@@ -21,9 +23,9 @@ import datetime
 import logging
 import os
 import re
+import selectors
 import sys
 import threading
-import time
 from typing import BinaryIO, Callable, TextIO
 
 logger = logging.getLogger(__name__)
@@ -89,8 +91,52 @@ def rank_directory_name(rank: int, size: int) -> str:
     return f"rank.{rank:0{width}d}"
 
 
+class _Stream:
+    """One worker pipe being forwarded: where its bytes go and the partial line read so far."""
+
+    __slots__ = ("rank", "kind", "pipe", "fd", "raw_file", "line_filter", "watcher", "prefix",
+                 "pending", "done")
+
+    def __init__(self, rank: int, kind: str, pipe: BinaryIO, raw_file: BinaryIO | None,
+                 line_filter: Callable[[bytes], bytes] | None, watcher: TracebackWatcher | None) -> None:
+        self.rank = rank
+        self.kind = kind
+        self.pipe = pipe
+        self.fd = pipe.fileno()
+        self.raw_file = raw_file
+        self.line_filter = line_filter
+        self.watcher = watcher
+        self.prefix = f"[{rank}]<{kind}>:"
+        self.pending = bytearray()  # bytes after the last complete line
+        self.done = threading.Event()  # set once the pipe reached end of file and all was forwarded
+
+    def take_lines(self, data: bytes) -> list[bytes]:
+        """Append ``data``; return the complete lines (and MAX_LINE_BYTES pieces of longer ones)."""
+        buf = self.pending
+        buf += data
+        lines = []
+        start = 0
+        while True:
+            newline = buf.find(b"\n", start, start + MAX_LINE_BYTES)
+            if newline >= 0:
+                lines.append(bytes(buf[start:newline + 1]))
+                start = newline + 1
+            elif len(buf) - start >= MAX_LINE_BYTES:
+                lines.append(bytes(buf[start:start + MAX_LINE_BYTES]))
+                start += MAX_LINE_BYTES
+            else:
+                break
+        del buf[:start]
+        return lines
+
+
 class OutputRouter:
-    """Copies prefixed worker lines onto the launcher's stdout/stderr (and optional files)."""
+    """Copies prefixed worker lines onto the launcher's stdout/stderr (and optional files).
+
+    One reader thread serves every attached pipe through a selector, whatever the number of ranks:
+    a 64-rank job costs the launcher one output thread, not 128. The thread starts with the first
+    attached pipe and ends when the last one reached end of file (a later attach starts it again).
+    """
 
     def __init__(
         self,
@@ -106,8 +152,12 @@ class OutputRouter:
         self._broken: set[str] = set()
         self._output_dir = output_dir
         self._size = size
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # one line at a time on the launcher's streams
+        self._state = threading.Condition()  # guards the fields below
+        self._new: list[_Stream] = []  # attached, not yet registered with the reader's selector
+        self._open = 0  # attached streams not yet at end of file
+        self._reader: threading.Thread | None = None
+        self._wake_w: int | None = None
 
     def _target(self, kind: str) -> TextIO:
         stream = self._streams[kind]
@@ -125,27 +175,39 @@ class OutputRouter:
 
     def attach(self, rank: int, stdout_pipe: BinaryIO | None, stderr_pipe: BinaryIO | None,
                files: dict[str, BinaryIO] | None = None,
-               stderr_filter: Callable[[bytes], bytes] | None = None) -> dict[str, threading.Thread]:
-        """Start forwarding one worker's pipes; the threads (returned by stream) end at end of file.
+               stderr_filter: Callable[[bytes], bytes] | None = None) -> dict[str, threading.Event]:
+        """Start forwarding one worker's pipes; the events (by stream) are set at end of file.
 
         ``stderr_filter`` sees each stderr line first and returns what to forward (``b""``: nothing);
         remote ranks use it to take the wrapper's status line out of the output.
         """
         files = files or {}
-        self._watchers[rank] = TracebackWatcher()
-        started: dict[str, threading.Thread] = {}
+        watcher = self._watchers[rank] = TracebackWatcher()
+        streams = []
         for kind, pipe in (("stdout", stdout_pipe), ("stderr", stderr_pipe)):
             if pipe is None:
                 continue
-            line_filter = stderr_filter if kind == "stderr" else None
-            thread = threading.Thread(
-                target=self._pump, args=(rank, kind, pipe, files.get(kind), line_filter),
-                name=f"hora-output-{rank}-{kind}", daemon=True,
-            )
-            thread.start()
-            self._threads.append(thread)
-            started[kind] = thread
-        return started
+            os.set_blocking(pipe.fileno(), False)
+            streams.append(_Stream(rank, kind, pipe, files.get(kind),
+                                   stderr_filter if kind == "stderr" else None,
+                                   watcher if kind == "stderr" else None))
+        with self._state:
+            self._new.extend(streams)
+            self._open += len(streams)
+            if self._reader is None:
+                wake_r, self._wake_w = os.pipe()
+                self._reader = threading.Thread(target=self._read_all, args=(wake_r,),
+                                                name="hora-output", daemon=True)
+                self._reader.start()
+            else:
+                self._wake()
+        return {stream.kind: stream.done for stream in streams}
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")  # type: ignore[arg-type]
+        except (BlockingIOError, OSError):
+            pass  # a full wake pipe already wakes the reader
 
     def last_exception(self, rank: int) -> str | None:
         """The exception line of the last Python traceback ``rank`` wrote on stderr, if any.
@@ -157,49 +219,97 @@ class OutputRouter:
 
     def join(self, timeout: float) -> bool:
         """Wait for every pipe to reach end of file; False if some are still open after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        with self._state:
+            return self._state.wait_for(lambda: self._open == 0, timeout)
 
-    def _pump(self, rank: int, kind: str, pipe: BinaryIO, raw_file: BinaryIO | None,
-              line_filter: Callable[[bytes], bytes] | None = None) -> None:
-        prefix = f"[{rank}]<{kind}>:"
-        watcher = self._watchers.get(rank) if kind == "stderr" else None
-        timestamps = self._timestamps
+    def _read_all(self, wake_r: int) -> None:
+        """The reader thread: forward whatever any pipe has, until every pipe reached end of file."""
+        os.set_blocking(wake_r, False)
+        selector = selectors.DefaultSelector()
+        selector.register(wake_r, selectors.EVENT_READ, None)
         try:
             while True:
-                chunk = pipe.readline(MAX_LINE_BYTES)
-                if not chunk:
-                    break
-                if line_filter is not None:
-                    chunk = line_filter(chunk)
-                    if not chunk:
+                with self._state:
+                    for stream in self._new:
+                        selector.register(stream.fd, selectors.EVENT_READ, stream)
+                    self._new.clear()
+                    if self._open == 0:
+                        os.close(self._wake_w)  # type: ignore[arg-type]
+                        self._reader = self._wake_w = None
+                        return
+                for key, _events in selector.select():
+                    stream = key.data
+                    if stream is None:
+                        try:
+                            while os.read(wake_r, 4096):
+                                pass
+                        except BlockingIOError:
+                            pass
                         continue
-                if raw_file is not None:
-                    self._write_raw(raw_file, chunk)
-                text = chunk.decode("utf-8", errors="replace")
-                if not text.endswith("\n"):
-                    text += "\n"  # a final partial line (or a piece of a huge one) still ends a line
-                if watcher is not None:
-                    watcher.feed(text)
-                if timestamps:
-                    self._emit(kind, f"{datetime.datetime.now().isoformat(sep=' ', timespec='milliseconds')} "
-                                     f"{prefix}{text}")
-                else:
-                    self._emit(kind, prefix + text)
-        except (OSError, ValueError) as exc:  # pipe closed under us during shutdown
-            logger.debug("output of rank %d (%s) ended: %s", rank, kind, exc)
+                    if not self._read(stream):
+                        selector.unregister(stream.fd)
+                        self._finish(stream)
+        except BaseException:  # noqa: BLE001 - never leave join() waiting on a dead reader
+            logger.exception("worker output reader failed")
+            with self._state:
+                self._open = 0
+                self._reader = None
+                self._state.notify_all()
+            raise
         finally:
-            if raw_file is not None:
+            selector.close()
+            os.close(wake_r)
+
+    def _read(self, stream: _Stream) -> bool:
+        """Forward the complete lines now readable from ``stream``; False at end of file."""
+        try:
+            data = os.read(stream.fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError as exc:  # the pipe broke under us during shutdown
+            logger.debug("output of rank %d (%s) ended: %s", stream.rank, stream.kind, exc)
+            return False
+        if not data:
+            return False
+        self._forward(stream, stream.take_lines(data))
+        return True
+
+    def _finish(self, stream: _Stream) -> None:
+        """End of file: forward the last partial line, close the pipe and its file."""
+        if stream.pending:
+            self._forward(stream, [bytes(stream.pending)])
+            stream.pending.clear()
+        for handle in (stream.raw_file, stream.pipe):
+            if handle is not None:
                 try:
-                    raw_file.close()
+                    handle.close()
                 except OSError:
                     pass
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        stream.done.set()
+        with self._state:
+            self._open -= 1
+            self._state.notify_all()
+
+    def _forward(self, stream: _Stream, lines: list[bytes]) -> None:
+        """Write ``lines`` (raw bytes, each a line or a piece of one) with the rank's prefix."""
+        if stream.line_filter is not None:
+            lines = [kept for kept in map(stream.line_filter, lines) if kept]
+        if not lines:
+            return
+        if stream.raw_file is not None:
+            self._write_raw(stream.raw_file, b"".join(lines))
+        prefix = stream.prefix
+        if self._timestamps:
+            prefix = f"{datetime.datetime.now().isoformat(sep=' ', timespec='milliseconds')} {prefix}"
+        texts = []
+        for chunk in lines:
+            text = chunk.decode("utf-8", errors="replace")
+            if not text.endswith("\n"):
+                text += "\n"  # a final partial line (or a piece of a huge one) still ends a line
+            if stream.watcher is not None:
+                stream.watcher.feed(text)
+            texts.append(prefix + text)
+        self._emit(stream.kind, "".join(texts))
 
     @staticmethod
     def _write_raw(raw_file: BinaryIO, chunk: bytes) -> None:

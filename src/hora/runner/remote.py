@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -122,7 +123,8 @@ class RemoteWorker:
                             + remote_bootstrap.frame(json.dumps(payload).encode()))
         self._token_bytes = self._token.encode()
         self._close_stdin = threading.Event()
-        self._stderr_thread: threading.Thread | None = None
+        self._stderr_done: threading.Event | None = None
+        self._exited_at: float | None = None
         self.status: tuple[int, str | None] | None = None
         self.last_stderr_line = ""
         command = remote_command(host, rank, target)
@@ -158,8 +160,9 @@ class RemoteWorker:
             except (BrokenPipeError, OSError, ValueError):
                 pass
 
-    def attach_stderr_thread(self, thread: threading.Thread | None) -> None:
-        self._stderr_thread = thread
+    def attach_stderr_done(self, done: threading.Event | None) -> None:
+        """The output router's end-of-file event for this rank's stderr (which carries the status line)."""
+        self._stderr_done = done
 
     def filter_stderr(self, chunk: bytes) -> bytes:
         """Take the wrapper's status line out of the rank's stderr; remember the last line."""
@@ -179,8 +182,24 @@ class RemoteWorker:
     def wait(self) -> tuple[int, str | None]:
         """Block until the ssh client exits; the rank's return code and, if needed, what happened."""
         returncode = self.proc.wait()
-        if self._stderr_thread is not None:
-            self._stderr_thread.join(_STATUS_WAIT_SECONDS)
+        if self._stderr_done is not None:
+            self._stderr_done.wait(_STATUS_WAIT_SECONDS)
+        return self._outcome(returncode)
+
+    def poll(self) -> tuple[int, str | None] | None:
+        """:meth:`wait` without blocking: None while the ssh client runs, or while its stderr may
+        still bring the wrapper's status line (up to a bounded wait after the client exited)."""
+        returncode = self.proc.poll()
+        if returncode is None:
+            return None
+        if self._exited_at is None:
+            self._exited_at = time.monotonic()
+        if (self._stderr_done is not None and not self._stderr_done.is_set()
+                and time.monotonic() - self._exited_at < _STATUS_WAIT_SECONDS):
+            return None
+        return self._outcome(returncode)
+
+    def _outcome(self, returncode: int) -> tuple[int, str | None]:
         if self.status is not None:
             return self.status
         if returncode == 255:
