@@ -150,6 +150,10 @@ class LoopbackNccl:
         store.close()
         self.calls.append("destroy")
 
+    def comm_abort(self, comm: int) -> None:
+        self.comm_destroy(comm)
+        self.calls[-1] = "abort"
+
     # ---- groups ----------------------------------------------------------------------------------
 
     def group_start(self) -> None:

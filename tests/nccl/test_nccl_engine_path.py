@@ -177,3 +177,37 @@ def test_join_with_a_device_allreduce_is_refused_with_a_way_out():
     coordinator.submit(0, [("g", signature(Kind.ALLREDUCE, "float32", (4,), ReduceOp.SUM, device="cuda"))])
     responses = {r.name: r for r in coordinator.ready()}
     assert "HORA_NCCL=off" in responses["g"].error
+
+
+def test_a_failed_job_aborts_its_communicators_instead_of_waiting_on_them():
+    from hora.nccl.communicators import CommunicatorTable
+    from hora.rendezvous.auth import new_secret
+    from hora.rendezvous.client import RendezvousClient
+    from hora.rendezvous.server import RendezvousServer
+
+    class Backend:
+        def __init__(self):
+            self.calls = []
+
+        def unique_id(self):
+            return b"u" * 128
+
+        def comm_init_rank(self, nranks, unique_id, rank):
+            return 1 + len(self.calls)
+
+        def comm_destroy(self, comm):
+            self.calls.append(("destroy", comm))
+
+        def comm_abort(self, comm):
+            self.calls.append(("abort", comm))
+
+    secret = new_secret()
+    with RendezvousServer(secret) as server, RendezvousClient(*server.address, secret) as store:
+        backend = Backend()
+        table = CommunicatorTable(backend, store, "round0", timeout=5)
+        table.get(0, [0], 0)
+        table.get(1, [0], 0)
+        table.release(1)
+        table.close(abort=True)
+        assert backend.calls == [("destroy", 1), ("abort", 1)]
+        assert len(table) == 0

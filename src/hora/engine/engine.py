@@ -49,8 +49,8 @@ _ARRIVAL_MEMBERS = 64 - _ARRIVAL_SHIFT
 _WORD = (1 << 64) - 1
 _NEVER_CACHED = frozenset((Kind.JOIN, Kind.BARRIER)) | PROCESS_SET_KINDS
 _BURST_GAP_S = 20e-6
-_IDLE_CYCLES_BEFORE_BACKOFF = 10
-_MAX_IDLE_WAIT_S = 0.01
+_IDLE_CYCLES_BEFORE_BACKOFF = 2
+_MAX_IDLE_WAIT_S = 0.05
 
 
 def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, ready: int,
@@ -103,7 +103,7 @@ class DeviceContextLike(Protocol):
 
     def runner(self, set_id: int, members: list[int]) -> Any: ...
     def release(self, set_id: int) -> None: ...
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 @dataclass
 class SetState:
@@ -153,6 +153,7 @@ class Engine:
         self._drivers = 0  # threads now driving cycles from Handle.wait
         self._long_wait = True  # the engine thread waits longer than a cycle time: wake it on submit
         self._stopped = False  # no more cycles: shut down or failed
+        self._failed = False  # stopped by a failure, not by an agreed shutdown
         self._stop_requested = False
         self._failure: HorovodInternalError | None = None
         self._last_submit = 0.0
@@ -338,7 +339,7 @@ class Engine:
                 state.comm.close()
         if self.device_context is not None:
             try:
-                self.device_context.close()
+                self.device_context.close(failed=self._failed)
             except Exception as exc:  # noqa: BLE001 - shutdown goes on; what failed is logged
                 logger.warning("rank %d: closing the NCCL communicators failed: %s", self.global_rank, exc)
 
@@ -520,7 +521,7 @@ class Engine:
             if stop:
                 self._stop(HorovodInternalError(
                     "hora was shut down (a rank called shutdown() or exited) while this "
-                    "collective was pending"))
+                    "collective was pending"), orderly=True)
         except HorovodInternalError as exc:
             logger.error("%s", exc)  # the message already names the rank
             self._stop(exc)
@@ -533,8 +534,12 @@ class Engine:
             self._stop(HorovodInternalError(f"rank {self.global_rank}: interrupted during a collective"))
             raise
 
-    def _stop(self, error: HorovodInternalError) -> None:
+    def _stop(self, error: HorovodInternalError, orderly: bool = False) -> None:
+        """Stop cycling and fail what is pending. ``orderly``: every rank agreed to shut down (else
+        a failure: a peer may be gone mid-collective, so NCCL communicators are aborted at shutdown)."""
         self._stopped = True
+        if not orderly:
+            self._failed = True
         self._fail_all(error)
         self._wake.set()  # the engine thread exits
 
@@ -542,15 +547,17 @@ class Engine:
         """Seconds an idle engine waits before its next cycle.
 
         Every idle cycle is a collective, so it costs CPU that training needs (a forward pass is all
-        idle cycles). After a few idle cycles the wait grows, up to ``_MAX_IDLE_WAIT_S``; a submission
-        on this rank still wakes it at once, and ranks doing the same work (a backward pass) submit at
-        about the same time, so only a rank that lags behind its peers is woken late.
+        idle cycles, and so are the gaps between a backward pass's buckets). After a couple of idle
+        cycles the wait doubles each cycle, up to ``_MAX_IDLE_WAIT_S``. Nothing waits on an idle rank's
+        cycles but peers that already hold a collective this rank has not submitted yet: its own
+        submission wakes it at once, so the backoff delays no training step, only a peer's view of
+        this rank's shutdown or negotiation flags (by at most ``_MAX_IDLE_WAIT_S``).
         """
         base = self.settings.cycle_time_s
         if self._has_work():  # waiting on peers: keep the cycle time
             return base
         extra = self._idle_cycles - _IDLE_CYCLES_BEFORE_BACKOFF
-        return base if extra <= 0 else min(_MAX_IDLE_WAIT_S, base * (1 + extra))
+        return base if extra < 0 else min(_MAX_IDLE_WAIT_S, base * (2 << min(extra, 16)))
 
     def _settle(self) -> None:
         """Let a burst of submissions (a backward pass, a grouped step) finish arriving, so that it is

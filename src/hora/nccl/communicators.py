@@ -38,6 +38,7 @@ class NcclBackend(Protocol):
     def unique_id(self) -> bytes: ...
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int: ...
     def comm_destroy(self, comm: int) -> None: ...
+    def comm_abort(self, comm: int) -> None: ...
 
 
 @dataclass
@@ -104,20 +105,27 @@ class CommunicatorTable:
             logger.debug("rank %d: NCCL communicator for set %s (rank %d of %d)", my_rank, key, rank, len(members))
             return comm
 
-    def release(self, key: Hashable) -> None:
-        """Destroy set ``key``'s communicator (the set was removed); a later one uses a new epoch."""
+    def release(self, key: Hashable, abort: bool = False) -> None:
+        """Destroy set ``key``'s communicator (the set was removed); a later one uses a new epoch.
+
+        ``abort``: the job failed, so a peer may be gone with work pending: ``ncclCommAbort`` returns
+        without waiting for it, where ``ncclCommDestroy`` would wait for that work forever.
+        """
         with self._lock:
             comm = self._comms.pop(key, None)
             if comm is None:
                 return
             self._epochs[key] = comm.epoch + 1
-        self._nccl.comm_destroy(comm.comm)
+        if abort:
+            self._nccl.comm_abort(comm.comm)
+        else:
+            self._nccl.comm_destroy(comm.comm)
 
-    def close(self) -> None:
-        """Destroy every communicator (shutdown)."""
+    def close(self, abort: bool = False) -> None:
+        """Destroy (or, after a failure, abort) every communicator (shutdown)."""
         for key in list(self._comms):
             try:
-                self.release(key)
+                self.release(key, abort)
             except Exception as exc:  # noqa: BLE001 - shutdown goes on; the failure is logged
                 logger.warning("destroying the NCCL communicator of set %s failed: %s", key, exc)
 

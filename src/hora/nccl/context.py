@@ -87,15 +87,17 @@ class DeviceContext:
         if self._table is not None:
             self._table.release(set_id)
 
-    def close(self) -> None:
-        """Destroy every communicator, then the fusion buffer (the engine has stopped)."""
+    def close(self, failed: bool = False) -> None:
+        """Destroy every communicator, then the fusion buffer (the engine has stopped). ``failed``:
+        the job failed, so communicators are aborted (a dead peer's pending work is never waited for)
+        and the fusion buffer is left to the process's exit (freeing it would wait on that work)."""
         with self._lock:
             self._closed = True
             table, collectives = self._table, self._collectives
             self._table = self._collectives = None
         if table is not None:
-            table.close()
-        if collectives is not None:
+            table.close(abort=failed)
+        if collectives is not None and not failed:
             collectives.close()
 
     @property
