@@ -125,3 +125,41 @@ def test_killed_rank_among_sixteen_is_named_quickly(tmp_path):
     assert ("rank 11 on localhost was killed by signal SIGKILL (9); stopped the other 15 workers"
             in done.stderr)
     assert elapsed < 30, f"the job took {elapsed:.1f} s to end after a rank was killed"
+
+
+class _WithoutPid:
+    """A worker the watcher cannot open a pidfd for: it is polled instead."""
+
+    pid = None
+
+    def __init__(self, worker) -> None:
+        self._worker = worker
+
+    def poll_exit(self):
+        return self._worker.poll_exit()
+
+
+def test_exit_watcher_reports_each_exit_once_with_and_without_pidfd():
+    import queue
+    import threading
+
+    from hora.runner.exits import ExitWatcher
+    from hora.runner.process import LocalWorker
+
+    seen: queue.Queue = queue.Queue()
+    watcher = ExitWatcher(lambda key, code, detail: seen.put((key, code, detail)), name="test-exits")
+    workers = [LocalWorker([sys.executable, "-c", f"import sys, time; time.sleep({0.3 * i}); sys.exit({i})"],
+                           clean_env()) for i in range(3)]
+    watcher.watch("pidfd-0", workers[0])
+    watcher.watch("polled-1", _WithoutPid(workers[1]))
+    watcher.watch("pidfd-2", workers[2])
+    got = sorted(seen.get(timeout=20) for _ in range(3))
+    assert got == [("pidfd-0", 0, None), ("pidfd-2", 2, None), ("polled-1", 1, None)]
+    deadline = time.monotonic() + 5
+    while any(t.name == "test-exits" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "test-exits" for t in threading.enumerate()), "the watcher outlived its workers"
+    assert seen.empty()
+    for worker in workers:
+        worker.proc.stdout.close()
+        worker.proc.stderr.close()

@@ -38,7 +38,7 @@ def _pidfd(pid: int | None) -> int | None:
 class ExitWatcher:
     """Calls ``on_exit(key, returncode, detail)`` once for each watched worker, from one thread.
 
-    A watched worker has ``poll() -> (returncode, detail) | None`` and, for the pidfd, ``pid`` (a
+    A watched worker has ``poll_exit() -> (returncode, detail) | None`` and, for the pidfd, ``pid`` (a
     child of this process); one with only ``wait()`` is waited on in a thread of its own. The thread
     starts with the first worker and ends when none is left; :meth:`close` stops it early.
     """
@@ -55,7 +55,7 @@ class ExitWatcher:
 
     def watch(self, key: Hashable, worker: Any) -> None:
         """Report ``worker``'s exit under ``key``."""
-        if not callable(getattr(worker, "poll", None)):
+        if not callable(getattr(worker, "poll_exit", None)):
             threading.Thread(target=self._wait_blocking, args=(key, worker),
                              name=f"{self._name}-{key}", daemon=True).start()
             return
@@ -129,7 +129,7 @@ class ExitWatcher:
                         ready[key] = worker
                 ready.update(polled)
                 for key, worker in ready.items():
-                    result = worker.poll()
+                    result = worker.poll_exit()
                     if result is None:
                         fd = pidfds.get(key)
                         if fd is not None and _readable(fd):

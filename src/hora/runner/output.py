@@ -253,7 +253,9 @@ class OutputRouter:
             logger.exception("worker output reader failed")
             with self._state:
                 self._open = 0
-                self._reader = None
+                if self._wake_w is not None:
+                    os.close(self._wake_w)
+                self._reader = self._wake_w = None
                 self._state.notify_all()
             raise
         finally:

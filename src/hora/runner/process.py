@@ -122,7 +122,7 @@ class LocalWorker:
     """A worker started on this machine, leading its own process group.
 
     The supervisor drives local and remote workers (:class:`hora.runner.remote.RemoteWorker`)
-    through the same few methods: ``wait``, ``poll``, ``terminate``, ``kill``, ``alive``.
+    through the same few methods: ``wait``, ``poll_exit``, ``terminate``, ``kill``, ``alive``.
     """
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
@@ -144,7 +144,7 @@ class LocalWorker:
         """Block until the worker exits: its Popen return code (and no further explanation)."""
         return self.proc.wait(), None
 
-    def poll(self) -> tuple[int, str | None] | None:
+    def poll_exit(self) -> tuple[int, str | None] | None:
         """:meth:`wait` without blocking: None while the worker runs."""
         returncode = self.proc.poll()
         return None if returncode is None else (returncode, None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import secrets
 import shlex
 import signal
@@ -133,7 +134,8 @@ class RemoteWorker:
         # travel on stdin only.
         self.proc = spawn(self.argv, config.environ_copy(), stdin=subprocess.PIPE)
         self.pid = self.proc.pid
-        threading.Thread(target=self._feed, name=f"hora-ssh-stdin-{rank}", daemon=True).start()
+        self._feeder: threading.Thread | None = None
+        self._start_feed()
 
     @property
     def stdout(self):
@@ -146,19 +148,42 @@ class RemoteWorker:
     def describe(self) -> str:
         return f"ssh {self.host} (pid {self.pid})"
 
-    def _feed(self) -> None:
+    def _start_feed(self) -> None:
+        """Send the wrapper and payload: at once when the pipe takes it all (the usual case, tens of
+        KiB), else from a thread, so a 64-rank SSH job does not cost 64 writer threads."""
+        stdin = self.proc.stdin
+        fd = stdin.fileno()
+        os.set_blocking(fd, False)
+        sent = 0
+        try:
+            while sent < len(self._stdin_data):
+                sent += os.write(fd, self._stdin_data[sent:])
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # the ssh client is already gone: its exit says why
+            logger.debug("stdin of rank %d's ssh closed early: %s", self.rank, exc)
+        os.set_blocking(fd, True)
+        if sent < len(self._stdin_data):
+            self._feeder = threading.Thread(target=self._feed, args=(sent,),
+                                            name=f"hora-ssh-stdin-{self.rank}", daemon=True)
+            self._feeder.start()
+
+    def _feed(self, sent: int) -> None:
         stdin = self.proc.stdin
         try:
-            stdin.write(self._stdin_data)
+            stdin.write(self._stdin_data[sent:])
             stdin.flush()
             self._close_stdin.wait()
         except (BrokenPipeError, OSError, ValueError) as exc:
             logger.debug("stdin of rank %d's ssh closed early: %s", self.rank, exc)
         finally:
-            try:
-                stdin.close()
-            except (BrokenPipeError, OSError, ValueError):
-                pass
+            self._close_channel()
+
+    def _close_channel(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
 
     def attach_stderr_done(self, done: threading.Event | None) -> None:
         """The output router's end-of-file event for this rank's stderr (which carries the status line)."""
@@ -186,7 +211,7 @@ class RemoteWorker:
             self._stderr_done.wait(_STATUS_WAIT_SECONDS)
         return self._outcome(returncode)
 
-    def poll(self) -> tuple[int, str | None] | None:
+    def poll_exit(self) -> tuple[int, str | None] | None:
         """:meth:`wait` without blocking: None while the ssh client runs, or while its stderr may
         still bring the wrapper's status line (up to a bounded wait after the client exited)."""
         returncode = self.proc.poll()
@@ -210,6 +235,8 @@ class RemoteWorker:
     def terminate(self) -> None:
         """Close the channel's stdin: the wrapper stops the worker (SIGTERM, SIGKILL after the grace)."""
         self._close_stdin.set()
+        if self._feeder is None:
+            self._close_channel()
 
     def kill(self) -> None:
         """Kill the ssh client: the connection drops and the wrapper stops the worker."""
