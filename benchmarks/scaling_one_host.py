@@ -16,10 +16,12 @@ one fresh job started by ``hora.run``.
     python benchmarks/scaling_one_host.py --launcher         # `hora run -np N` of a trivial script
 
 ``--launcher`` measures the launcher alone, without hora in the workers: ``hora run -np N`` of a
-script that prints one line and sleeps 2 s. "start-up" is launch until every rank's line came back
-through the launcher (so it includes output routing), the threads are the launcher's while all
-ranks run, and "exit" is launch until ``hora run`` returned. ``--launcher-python-path DIR`` runs the
-launcher from another checkout's ``src`` (to compare with an older commit).
+script that prints one line and sleeps 8 s (so every rank still runs when the threads are
+counted). "start-up" is launch until every rank's line came back through the launcher (so it
+includes output routing), the threads are the launcher's while all ranks run, "exit" is launch
+until ``hora run`` returned, and "spawn" the time this process takes to start N ``/bin/true`` the
+way the launcher starts a worker (its own sequential share of the start-up). ``--launcher-python-path DIR`` runs the launcher from another
+checkout's ``src`` (to compare with an older commit).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def measure(n: int, transport: str | None, small_iters: int, big_iters: int) -> 
     return result
 
 
-_LAUNCHED_SCRIPT = "import time; print('up', flush=True); time.sleep(2)"
+_LAUNCHED_SCRIPT = "import time; print('up', flush=True); time.sleep(8)"
 
 
 def _threads_of(pid: int) -> int:
@@ -129,7 +131,14 @@ def measure_launcher(n: int, python_path: str | None) -> dict[str, Any]:
     """Time ``hora run -np n`` of a trivial script and count the launcher's threads meanwhile."""
     import subprocess
 
+    from hora.runner.process import spawn
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    started = time.perf_counter()  # the launcher's own share: starting n processes as it does
+    children = [spawn(["/bin/true"], env) for _ in range(n)]
+    spawn_s = time.perf_counter() - started
+    for child in children:
+        child.communicate()
     if python_path:
         env["PYTHONPATH"] = python_path
     launched = time.perf_counter()
@@ -146,7 +155,7 @@ def measure_launcher(n: int, python_path: str | None) -> dict[str, Any]:
     threads = _threads_of(proc.pid)
     proc.stdout.read()
     code = proc.wait(timeout=600)
-    return {"ranks": n, "launcher_startup_s": startup, "launcher_threads": threads,
+    return {"ranks": n, "launcher_startup_s": startup, "spawn_s": spawn_s, "launcher_threads": threads,
             "exit_s": time.perf_counter() - launched, "ranks_seen": len(seen), "exit_code": code}
 
 
@@ -162,7 +171,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.launcher:
         rows = [measure_launcher(int(n), args.launcher_python_path) for n in args.sizes.split(",")]
-        cols: tuple[str, ...] = ("ranks", "launcher_startup_s", "exit_s", "launcher_threads",
+        cols: tuple[str, ...] = ("ranks", "launcher_startup_s", "spawn_s", "exit_s", "launcher_threads",
                                  "ranks_seen", "exit_code")
         print(json.dumps(rows, indent=1) if args.json else _table(rows, cols))
         return 0
