@@ -12,6 +12,11 @@ round (hora, ddp, single, hora, ddp, single, ...), and the median round is repor
     python benchmarks/torch_vs_ddp.py                         # resnet18, 64x64, batch 16, 2 workers
     python benchmarks/torch_vs_ddp.py --rounds 5 --iters 30 --json
     python benchmarks/torch_vs_ddp.py --hora-env HORA_CYCLE_TIME=20      # try an engine knob
+    python benchmarks/torch_vs_ddp.py --model mlp200 --threads 1 --only hora,ddp   # issue 17's bar
+
+``--model mlp200`` is issue 17's bar: 100 Linear layers 64-256 wide (200 gradient tensors, 256
+classes), batch 32, one thread per rank. For hora the report adds the engine's CPU time per step per
+gradient tensor (see EngineCpuMeter): with the transport's share, and without it.
 
 Throughput is images per second: ``batch x steps / seconds`` with the slowest rank's seconds, per
 worker and in total. ``hora/ddp`` above 1 means hora trains faster; ``X/single`` is the total
@@ -33,6 +38,15 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILE = os.path.join(HERE, os.pardir, "examples", "pytorch_synthetic_benchmark.py")
 CONTENDERS = ("hora", "ddp", "single")
+#: Classes of models built with other than the synthetic benchmark's 1000. mlp200 is issue 17's bar
+#: model, "100 Linear layers of width 64-256": its output layer too is 256 wide (the example's own
+#: default, 1000 classes, would make the last layer 64 -> 1000).
+CLASSES = {"mlp200": 256}
+#: Images per worker per step where --batch-size is not given (the bar's batch for mlp200).
+BATCH = {"mlp200": 32}
+#: What EngineCpuMeter reports from hora's rank 0, per step (medians over rounds in the summary).
+ENGINE_FIELDS = ("engine_us_per_tensor", "engine_excl_transport_us_per_tensor", "engine_scaling_us_per_tensor",
+                 "engine_thread_us_per_tensor", "cycles_per_step", "transport_calls_per_step")
 
 
 @dataclass(frozen=True)
@@ -61,15 +75,17 @@ def _build(cfg: Config, seed: int):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(seed)
-    model = module.MODELS[cfg.model]()
+    classes = CLASSES.get(cfg.model, 1000)
+    model = module.MODELS[cfg.model](num_classes=classes) if cfg.model in CLASSES else module.MODELS[cfg.model]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-    target = torch.randint(0, 1000, (cfg.batch_size,))
+    target = torch.randint(0, classes, (cfg.batch_size,))
     return model, optimizer, data, target, F.cross_entropy
 
 
-def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], None]) -> tuple[float, float, float]:
-    """Warm up, line the ranks up, then time ``cfg.iters`` steps.
+def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], None],
+                 meter: "EngineCpuMeter | None" = None) -> tuple[float, float, float]:
+    """Warm up, line the ranks up, then time ``cfg.iters`` steps (``meter``, if any, runs over them).
 
     Returns (seconds, last loss, CPU seconds per step of this whole process: every thread, so the
     communication threads' share shows next to the training thread's).
@@ -77,12 +93,101 @@ def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], N
     for _ in range(cfg.warmup):
         step()
     barrier()
+    if meter is not None:
+        meter.start()
     cpu = time.process_time()
     start = time.perf_counter()
     loss = 0.0
     for _ in range(cfg.iters):
         loss = step()
-    return time.perf_counter() - start, loss, (time.process_time() - cpu) / cfg.iters
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if meter is not None:
+        meter.stop()
+    return seconds, loss, cpu / cfg.iters
+
+
+class EngineCpuMeter:
+    """CPU time hora's engine spends during the timed steps, in whichever thread it spends it.
+
+    The engine works in two kinds of thread (docs/architecture.md, "Who runs the engine cycle"): its
+    background thread (idle cycles during the forward pass, cycles for gradients submitted during
+    backward, the short waits between cycles) and a thread waiting on a handle, which runs the cycles
+    itself (``Engine.drive``). The background thread's CPU clock is read from outside
+    (``pthread_getcpuclockid``), so nothing in that thread is instrumented; in the training thread
+    the meter adds the thread CPU time spent inside ``Engine.submit`` and ``Engine.drive``.
+
+    The engine's calls into the transport (the control vector, the object exchange of a negotiation,
+    the gradient allreduce) are timed with thread CPU time as well, so that the engine's own share
+    can be told from the transport's. The transport's share is the reduction itself plus its wait for
+    the peer, which costs CPU because the shared-memory transport polls (a spin, then ``sleep(0)``,
+    then growing naps) instead of blocking. The engine's own share still holds its per-byte work: the
+    copies into and out of the transport's buffer and Average's scaling.
+    """
+
+    TRANSPORT_CALLS = ("allreduce", "allreduce_into", "gather_object", "broadcast_object", "allgather", "broadcast",
+                       "barrier")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.clock = time.pthread_getcpuclockid(engine._thread.ident)
+        self.seconds = {"driver": 0.0, "transport": 0.0, "scale": 0.0}
+        self.calls = {"driver": 0, "transport": 0, "cycles": 0, "scale": 0}
+        self.on = False
+        self._wrap(engine, ("submit", "drive"), "driver")
+        for state in engine._states:
+            self._wrap(state.comm, self.TRANSPORT_CALLS, "transport")
+            for attr, value in vars(state.executor).items():  # transport methods the executor keeps bound
+                if getattr(value, "__self__", None) is state.comm and value.__name__ in self.TRANSPORT_CALLS:
+                    setattr(state.executor, attr, getattr(state.comm, value.__name__))
+        from hora.engine import executor
+
+        self._wrap(executor, ("_scale",), "scale")  # Average's division: one pass over every bucket
+        iterate = engine._iterate
+
+        def counted() -> None:
+            if self.on:
+                self.calls["cycles"] += 1
+            iterate()
+        engine._iterate = counted
+
+    def _wrap(self, obj: Any, names: tuple[str, ...], key: str) -> None:
+        clock = time.thread_time
+        for name in names:
+            method = getattr(obj, name, None)
+            if method is None:
+                continue
+
+            def timed(*args, _method=method, **kwargs):
+                if not self.on:
+                    return _method(*args, **kwargs)
+                began = clock()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    self.seconds[key] += clock() - began
+                    self.calls[key] += 1
+            setattr(obj, name, timed)
+
+    def start(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.calls = dict.fromkeys(self.calls, 0)
+        self.thread_began = time.clock_gettime(self.clock)
+        self.on = True
+
+    def stop(self) -> None:
+        self.on = False
+        self.seconds["thread"] = time.clock_gettime(self.clock) - self.thread_began
+
+    def per_step(self, steps: int, tensors: int) -> dict[str, float]:
+        """Microseconds per step per tensor: the engine with the transport's share, and without it."""
+        total = self.seconds["thread"] + self.seconds["driver"]
+        scale = 1e6 / steps / tensors
+        return {"engine_us_per_tensor": total * scale,
+                "engine_excl_transport_us_per_tensor": (total - self.seconds["transport"]) * scale,
+                "engine_scaling_us_per_tensor": self.seconds["scale"] * scale,
+                "engine_thread_us_per_tensor": self.seconds["thread"] * scale,
+                "cycles_per_step": self.calls["cycles"] / steps,
+                "transport_calls_per_step": self.calls["transport"] / steps}
 
 
 # ---- the contenders (each function body runs in a worker process) ---------------------------------
@@ -106,12 +211,17 @@ def hora_worker(cfg: Config) -> dict[str, float] | None:
         optimizer.step()
         return float(loss.detach())
 
-    seconds, loss, cpu = _timed_steps(step, cfg, hvd.barrier)
+    from hora import basics
+
+    meter = EngineCpuMeter(basics.engine())
+    seconds, loss, cpu = _timed_steps(step, cfg, hvd.barrier, meter)
     slowest = max(hvd.allgather_object(seconds))
     rank = hvd.rank()
     hvd.shutdown()
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
-    return {"seconds": slowest, "loss": loss, "cpu_per_step": cpu, "tensors": tensors} if rank == 0 else None
+    result = {"seconds": slowest, "loss": loss, "cpu_per_step": cpu, "tensors": tensors}
+    result.update(meter.per_step(cfg.iters, tensors))
+    return result if rank == 0 else None
 
 
 def ddp_worker(cfg: Config) -> dict[str, float] | None:
@@ -184,9 +294,11 @@ def run_contender(name: str, cfg: Config, np_: int, hora_env: dict[str, str] | N
     workers = 1 if name == "single" else np_
     result = hora.run(worker, args=(cfg,), np=workers, env=env)[0]
     per_worker = cfg.batch_size * cfg.iters / result["seconds"]
-    return {"seconds": result["seconds"], "loss": result["loss"], "workers": workers,
-            "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers,
-            "cpu_ms_per_step": result["cpu_per_step"] * 1000, "tensors": result.get("tensors")}
+    row = {"seconds": result["seconds"], "loss": result["loss"], "workers": workers,
+           "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers,
+           "cpu_ms_per_step": result["cpu_per_step"] * 1000, "tensors": result.get("tensors")}
+    row.update({key: result[key] for key in ENGINE_FIELDS if key in result})
+    return row
 
 
 def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, Any]:
@@ -212,6 +324,11 @@ def summarise(runs: dict[str, list[dict[str, float]]], np_: int) -> dict[str, An
 
     summary["ratios"] = {"hora/ddp": ratio("hora", "ddp"), "hora/single": ratio("hora", "single"),
                          "ddp/single": ratio("ddp", "single")}
+    if "hora" in summary and runs["hora"][0].get("engine_us_per_tensor") is not None:
+        summary["hora"]["engine"] = {key: statistics.median(r[key] for r in runs["hora"]) for key in ENGINE_FIELDS}
+        summary["hora"]["engine_us_per_tensor_rounds"] = [r["engine_us_per_tensor"] for r in runs["hora"]]
+        summary["hora"]["engine_excl_transport_us_per_tensor_rounds"] = [
+            r["engine_excl_transport_us_per_tensor"] for r in runs["hora"]]
     if "hora" in summary and "single" in summary and runs["hora"][0].get("tensors"):
         # What distribution adds to a process's CPU time per step, per gradient tensor: hooks,
         # engine submission, negotiation and completion, copies and the transport together.
@@ -242,6 +359,14 @@ def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -
     if summary["ratios"]["hora/single"] is not None:
         lines.append(f"# X/single: total throughput over one process (ideal: {np_})")
     lines.append("# CPU ms/step: rank 0's process CPU time per step, all threads (training + communication)")
+    engine = summary.get("hora", {}).get("engine")
+    if engine is not None:
+        lines.append(f"hora engine CPU per step per gradient tensor: {engine['engine_us_per_tensor']:.2f} us with the "
+                     f"transport's share (reduction and polling wait), {engine['engine_excl_transport_us_per_tensor']:.2f}"
+                     f" us without it (of which {engine['engine_scaling_us_per_tensor']:.2f} us Average's scaling pass over "
+                     f"the gradients); background thread alone {engine['engine_thread_us_per_tensor']:.2f} us; "
+                     f"{engine['cycles_per_step']:.1f} cycles and {engine['transport_calls_per_step']:.1f} "
+                     "transport calls per step (rank 0)")
     if summary.get("hora_extra_cpu_us_per_tensor") is not None:
         lines.append(f"hora's CPU time per step beyond one process's, per gradient tensor: "
                      f"{summary['hora_extra_cpu_us_per_tensor']:.1f} us")
@@ -252,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-np", "--num-proc", dest="np", type=int, default=2, help="workers for hora and DDP (default 2)")
     parser.add_argument("--model", default="resnet18", help="a model of the synthetic benchmark (default resnet18)")
-    parser.add_argument("--batch-size", type=int, default=16, help="images per worker per step (default 16)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="images per worker per step (default 16; 32 for mlp200)")
     parser.add_argument("--image-size", type=int, default=64, help="image height and width (default 64)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
@@ -269,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.np < 2 or args.rounds < 1 or args.iters < 1 or args.warmup < 0:
         parser.error("need -np >= 2, --rounds >= 1, --iters >= 1 and --warmup >= 0")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.np)
-    cfg = Config(args.model, args.batch_size, args.image_size, args.warmup, args.iters, threads, args.fp16_allreduce)
+    batch = args.batch_size or BATCH.get(args.model, 16)
+    cfg = Config(args.model, batch, args.image_size, args.warmup, args.iters, threads, args.fp16_allreduce)
     wanted = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(wanted) - set(CONTENDERS))
     if unknown:
