@@ -2,8 +2,9 @@
 
 :func:`allreduce_list` is what the tape, the optimizers on the TensorFlow backend and ``allreduce``
 of an ``IndexedSlices`` all do: compress the dense gradients, reduce every gradient of the list in
-one engine round (dense ones allreduced, in Horovod's groups if any; sparse ones gathered as values
-and indices, or densified with ``sparse_as_dense``), decompress. One ``tf.numpy_function`` per list
+one engine round (dense ones allreduced, in Horovod's groups if any, else, for the gradient
+wrappers, flattened into buckets of :mod:`hora.gradient_buckets` with one request each; sparse ones
+gathered as values and indices, or densified with ``sparse_as_dense``), decompress. One ``tf.numpy_function`` per list
 keeps the ranks in step inside ``tf.function`` (see :mod:`hora.tensorflow.tensors`).
 """
 
@@ -15,21 +16,37 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hora import basics, batched, horovod_args
+from hora import basics, batched, gradient_buckets, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
 from hora.tensorflow.tensors import leading_unknown, run_numpy, to_tensor
 
 
+def _plan_buckets(dense: dict[int, tf.Tensor], names: Sequence[str | None], reduction: GradientReduction,
+                  compression) -> list[list[int]]:
+    """Positions of ``dense`` that travel as flat buckets (:mod:`hora.gradient_buckets`'s rule), in
+    reverse list order (about the order backward produces them). Gradients of unknown static shape
+    (and unnamed lists, whose ranks would not agree on a bucket's name) stay per tensor."""
+    if not gradient_buckets.bucketable(reduction.op, compression) or any(n is None for n in names):
+        return []
+    cap = gradient_buckets.bucket_bytes()
+    order = [i for i in reversed(list(dense)) if dense[i].shape.is_fully_defined()]
+    sizes = [(dense[i].shape.num_elements() * dense[i].dtype.size, dense[i].dtype) for i in order]
+    return [[order[k] for k in bucket] for bucket in gradient_buckets.plan(sizes, cap)]
+
+
 def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction: GradientReduction,
                    groups: int | list[list[int]] | None = None, compression=Compression.none,
-                   sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "") -> list[Any]:
+                   sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "",
+                   buckets: bool = False) -> list[Any]:
     """Reduce each gradient of ``grads`` across ranks; ``None`` stays ``None`` (and is not sent).
 
     ``groups`` are positions (see :func:`hora.horovod_args.group_positions`). IndexedSlices come
     back as IndexedSlices holding every rank's rows (values scaled as the op says), unless
-    ``sparse_as_dense`` reduces them as dense tensors.
+    ``sparse_as_dense`` reduces them as dense tensors. With ``buckets`` (and no ``groups``), dense
+    gradients are flattened into buckets (``tf.concat``), each reduced as one engine request and
+    unpacked with ``tf.split``: bit-identical to reducing them one by one, at one submission per bucket.
     """
     grads = list(grads)
     if sparse_as_dense:
@@ -42,8 +59,13 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
     if sparse_at:
         reduction.sparse_scale()  # refuses ops other than Sum and Average before any collective starts
     with tf.device(device_dense):
-        packed = {i: compression.compress(to_tensor(grads[i], "gradient")) for i in dense_at}
-    inputs = [packed[i][0] for i in dense_at]
+        dense = {i: to_tensor(grads[i], "gradient") for i in dense_at}
+        plan = _plan_buckets(dense, names, reduction, compression) if buckets and groups is None else []
+        in_bucket = {i for bucket in plan for i in bucket}
+        loose = [i for i in dense_at if i not in in_bucket]
+        packed = {i: compression.compress(dense[i]) for i in loose}
+        flats = [compression.compress(tf.concat([tf.reshape(dense[i], [-1]) for i in bucket], 0)) for bucket in plan]
+    inputs = [packed[i][0] for i in loose] + [flat for flat, _ in flats]
     dtypes = [t.dtype for t in inputs]
     shapes = [t.shape for t in inputs]
     for i in sparse_at:
@@ -52,17 +74,22 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
         dtypes += [values.dtype, indices.dtype]
         shapes += [leading_unknown(values.shape), [None]]
     count = len(grads)
+    # A bucket is one more position after the list's own, named after its first gradient.
+    all_names = list(names) + [f"{names[bucket[0]]}.bucket{len(bucket)}" for bucket in plan]
+    units = len(loose) + len(plan)
 
     def body(*arrays):
-        dense = [None] * count
+        dense_arrays: list[Any] = [None] * (count + len(plan))
         sparse: list[Any] = [None] * count
-        for k, i in enumerate(dense_at):
-            dense[i] = arrays[k]
+        for k, i in enumerate(loose):
+            dense_arrays[i] = arrays[k]
+        for b in range(len(plan)):
+            dense_arrays[count + b] = arrays[len(loose) + b]
         for k, i in enumerate(sparse_at):
-            base = len(dense_at) + 2 * k
+            base = units + 2 * k
             sparse[i] = (arrays[base], arrays[base + 1])
-        results = batched.start(dense, names, reduction, groups, sparse).wait()
-        out = [results[i] for i in dense_at]
+        results = batched.start(dense_arrays, all_names, reduction, groups, sparse).wait()
+        out = [results[i] for i in loose] + [results[count + b] for b in range(len(plan))]
         # The sparse scale depends on the world's size: read it each time the op runs, not when a
         # tf.function is traced, since a compiled step outlives an elastic reset to another size.
         scale = reduction.sparse_scale() if sparse_at else 1.0
@@ -76,12 +103,17 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
     outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients")
     result = list(grads)
     with tf.device(device_dense):
-        for k, i in enumerate(dense_at):
+        for k, i in enumerate(loose):
             result[i] = compression.decompress(outputs[k], packed[i][1])
+        for b, bucket in enumerate(plan):
+            flat = compression.decompress(outputs[len(loose) + b], flats[b][1])
+            pieces = tf.split(flat, [dense[i].shape.num_elements() for i in bucket], 0)
+            for i, piece in zip(bucket, pieces):
+                result[i] = tf.reshape(piece, dense[i].shape)
     if sparse_at:
         with tf.device(device_sparse):
             for k, i in enumerate(sparse_at):
-                values, indices = outputs[len(dense_at) + 2 * k: len(dense_at) + 2 * k + 2]
+                values, indices = outputs[units + 2 * k: units + 2 * k + 2]
                 result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)
     return result
 
@@ -104,7 +136,7 @@ class GradientAllreducer:
         names = batched.gradient_names(self.prefix, len(grads))
         groups = horovod_args.group_positions(self.groups, sources)
         return allreduce_list(grads, names, self.reduction, groups, self.compression, self.sparse_as_dense,
-                              self.device_dense, self.device_sparse)
+                              self.device_dense, self.device_sparse, buckets=True)
 
 
 def _source_key(source: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from hora import basics, collectives, horovod_args
+from hora import basics, collectives, gradient_buckets, horovod_args
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
@@ -120,26 +120,13 @@ class _DistributedOptimizer:
 
     def _make_buckets(self) -> list[list]:
         """Consecutive parameters in reverse registration order (about the order backward produces
-        their gradients), cut at ``GRADIENT_BUCKET_BYTES`` (never above the fusion threshold) and
-        wherever the dtype changes. Adasum (not element-wise) and compressors other than Horovod's
-        none/fp16 (which may not be) keep one reduction per tensor."""
-        from hora import config
-
-        cap = min(int(config.get("gradient_bucket_bytes")), int(config.get("fusion_threshold")))
-        elementwise = self._compression in (Compression.none, Compression.fp16)
-        if self._excluded or cap <= 0 or self._op == Adasum or not elementwise:
+        their gradients), planned by :mod:`hora.gradient_buckets` (the rule every binding shares)."""
+        cap = gradient_buckets.bucket_bytes()
+        if self._excluded or not gradient_buckets.bucketable(self._op, self._compression):
             return []
-        buckets: list[list] = []
-        size = 0
-        for p in reversed(self._requires_update):
-            nbytes = p.numel() * p.element_size()
-            if buckets and size + nbytes <= cap and buckets[-1][-1].dtype == p.dtype:
-                buckets[-1].append(p)
-                size += nbytes
-            else:
-                buckets.append([p])
-                size = nbytes
-        return [b for b in buckets if len(b) > 1]
+        params = list(reversed(self._requires_update))
+        sizes = [(p.numel() * p.element_size(), p.dtype) for p in params]
+        return [[params[i] for i in bucket] for bucket in gradient_buckets.plan(sizes, cap)]
 
     # ---- hooks and reductions -------------------------------------------------------------------
 
