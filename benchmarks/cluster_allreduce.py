@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,19 @@ def ring_bound_seconds(size_bytes: int, ranks: int, link_bytes_per_s: float) -> 
     return 2 * (ranks - 1) / ranks * size_bytes / link_bytes_per_s
 
 
-def worker(size_mib: float, iters: int, warmup: int, out: str) -> int:
+def _machine_cpu() -> dict[str, float]:
+    """Machine-wide CPU seconds so far by kind (/proc/stat), to see what else burns the cores:
+    softirq is the kernel's packet processing (veth, bridge, tc), which no rank is charged for."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:9]
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {name: int(value) / tick for name, value in zip(names, fields)}
+
+
+def worker(size_mib: float, iters: int, warmup: int, out: str, in_place: bool = False) -> int:
     """One rank: time ``iters`` allreduces (slowest rank per iteration); rank 0 writes the list."""
     import numpy as np
 
@@ -51,17 +64,40 @@ def worker(size_mib: float, iters: int, warmup: int, out: str) -> int:
     data = np.ones(int(size_mib * MiB) // 4, dtype=np.float32)
     for i in range(warmup):
         hora.allreduce(data, op=hora.Sum, name="cluster_allreduce")
-    times = []
+    times, cpu_fractions, machine = [], [], []
     for _ in range(iters):
+        if in_place:
+            data[...] = 1  # untimed: every iteration sums ones again
         hora.barrier()
+        machine_before = _machine_cpu()
+        usage_before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
-        result = hora.allreduce(data, op=hora.Sum, name="cluster_allreduce")
+        if in_place:
+            # Into the input's own memory: no fresh 64 MiB output whose first touch the kernel must
+            # zero (a huge-page fault per 2 MiB), which out-of-place NumPy results pay on every call.
+            result = hora.allreduce_(data, op=hora.Sum, name="cluster_allreduce")
+        else:
+            result = hora.allreduce(data, op=hora.Sum, name="cluster_allreduce")
         elapsed = time.perf_counter() - start
-        times.append(float(hora.allreduce(np.array([elapsed]), op=hora.Max, name="slowest")[0]))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = [usage.ru_utime - usage_before.ru_utime, usage.ru_stime - usage_before.ru_stime,
+               usage.ru_nvcsw - usage_before.ru_nvcsw, usage.ru_nivcsw - usage_before.ru_nivcsw]
+        machine.append({k: v - machine_before[k] for k, v in _machine_cpu().items()})
+        # Slowest rank's wall time, and all ranks' CPU seconds (user + system, every thread) summed.
+        summed = hora.allreduce(np.array(cpu, dtype=np.float64), op=hora.Sum, name="cpu_sum")
+        slowest = float(hora.allreduce(np.array([elapsed]), op=hora.Max, name="slowest")[0])
+        times.append(slowest)
+        cpu_fractions.append({"user_s": float(summed[0]), "system_s": float(summed[1]),
+                              "voluntary_switches": int(summed[2]), "involuntary_switches": int(summed[3])})
     ok = bool(result[0] == hora.size() and result[-1] == hora.size())
     if hora.rank() == 0:
+        best = min(range(iters), key=times.__getitem__)
         Path(out).write_text(json.dumps({"times": times, "ranks": hora.size(), "correct": ok,
-                                         "bytes": int(data.nbytes)}))
+                                         "bytes": int(data.nbytes), "in_place": in_place,
+                                         # all ranks' CPU seconds and context switches, best iteration
+                                         "ranks_cpu": cpu_fractions[best],
+                                         # the machine's CPU seconds by kind over that iteration
+                                         "machine_cpu_s": machine[best]}))
     hora.shutdown()
     return 0 if ok else 1
 
@@ -75,7 +111,12 @@ def launch(hosts: list[str], ssh_flags: list[str], interfaces: str | None, args:
         argv += ["--network-interfaces", interfaces]
     argv += [sys.executable, str(Path(__file__).resolve()), "--worker", out,
              "--size-mib", str(args.size_mib), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    if args.in_place:
+        argv.append("--in-place")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    for knob in args.knob:
+        name, _, value = knob.partition("=")
+        env[f"HORA_{name.upper()}"] = value
     if hierarchical is not None:
         env["HORA_HIERARCHICAL_ALLREDUCE"] = "1" if hierarchical else "0"
     result = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, text=True,
@@ -98,6 +139,8 @@ def report(data: dict, link_gbit: float, where: str, as_json: bool, hosts: int |
         "best_over_bound": best / bound, "median_over_bound": median / bound,
         "busbw_gbit": 2 * (hosts - 1) / hosts * size * 8 / best / 1e9,
         "correct": data["correct"], "where": where, "hosts": hosts, "label": label,
+        "in_place": data.get("in_place", False), "ranks_cpu": data.get("ranks_cpu"),
+        "machine_cpu_s": data.get("machine_cpu_s"),
     }
     if as_json:
         print(json.dumps(row))
@@ -111,6 +154,12 @@ def report(data: dict, link_gbit: float, where: str, as_json: bool, hosts: int |
           f"{row['busbw_gbit']:>6.3f} Gbit/s")
     print(f"best time = {row['best_over_bound']:.2f} x the ring bound "
           f"(hora reaches {100 / row['best_over_bound']:.0f}% of what the links allow)")
+    if row["ranks_cpu"] is not None:
+        cpu = row["ranks_cpu"]
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in (row["machine_cpu_s"] or {}).items() if v >= 0.01)
+        print(f"all ranks on the best run: user {cpu['user_s']:.2f} s, system {cpu['system_s']:.2f} s, "
+              f"{cpu['voluntary_switches']} voluntary and {cpu['involuntary_switches']} involuntary "
+              f"context switches; the machine's CPU seconds then: {kinds}")
     return row
 
 
@@ -133,11 +182,18 @@ def main(argv: list[str] | None = None) -> int:
                              "--rounds times, and print both and their ratio")
     parser.add_argument("--rounds", type=int, default=2, help="alternations with --compare-hierarchical")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the job may take")
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                        help="a hora setting for the workers, e.g. ring_chunk_bytes=4194304 (HORA_NAME)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="hora.allreduce_ (the result overwrites the input) instead of hora.allreduce")
+    parser.add_argument("--unshaped", action="store_true",
+                        help="emulated links without tc (the bound is still computed at --link-gbit): "
+                             "what the CPU alone allows, to tell the shaping's cost from hora's")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.size_mib, args.iters, args.warmup, args.worker)
+        return worker(args.size_mib, args.iters, args.warmup, args.worker, args.in_place)
 
     with tempfile.TemporaryDirectory(prefix="hora-cluster-bench-") as tmp:
         out = os.path.join(tmp, "times.json")
@@ -159,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             rate = f"{int(round(args.link_gbit * 1000))}mbit"
             where = "emulated: network namespaces, tc tbf on both ends of each veth, sshd"
             try:
+                if args.unshaped:
+                    rate, where = None, "emulated, links NOT shaped (CPU-bound reference)"
                 with EmulatedCluster(args.emulated_hosts, rate=rate) as cluster:
                     hosts = [h.address for h in cluster.hosts]
                     if args.compare_hierarchical:
