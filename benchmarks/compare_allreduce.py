@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""float32 allreduce, side by side: hora (as init() picks it: shared memory within one host), hora's
-TCP ring, torch.distributed over Gloo, and MPI (mpi4py).
+"""float32 allreduce, side by side: hora's transport (as init() picks it: shared memory within one
+host) on its own buffers, hora's public API on NumPy arrays (``hora.allreduce_`` / ``hora.allreduce``)
+and on CPU torch tensors (``hora.torch.allreduce_`` / ``allreduce``), hora's TCP ring,
+torch.distributed over Gloo, and MPI (mpi4py).
 
 All of them run the same size sweep with the same iteration plan (hora.bench's: ``--iters`` calls for
 small messages, fewer for big ones), the same timing rule (warm-up, barrier, mean per call over the
@@ -11,8 +13,10 @@ best time per size.
     python benchmarks/compare_allreduce.py                      # 4 B .. 64 MiB, x4 steps, 3 rounds
     python benchmarks/compare_allreduce.py --sizes 4,64K,16M --rounds 5 --json
 
-Ratios: ``busbw hora/X`` above 1 means hora moves data faster; ``lat hora/X`` above 1 means hora
-takes longer per call. A library that is not installed is skipped with a note.
+Ratios compare the public API in place (numpy = ``hora.allreduce_``, torch = ``hora.torch.allreduce_``,
+summing as Gloo's and MPI's in-place calls here do) with Gloo and MPI: ``bw np/X`` above 1 means
+hora moves data faster; ``lat np/X`` above 1 means hora takes longer per call. The out-of-place
+calls (a new array or tensor per call) are in the JSON rows as ``numpy_oop`` and ``torch_oop``. A library that is not installed is skipped with a note.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from typing import Any, Callable
 DEFAULT_SIZES = tuple(4 * 4**k for k in range(13))  # 4 B .. 64 MiB
 RESULT_TAG = "COMPARE_ALLREDUCE_RESULT "
 # "hora" is what hora.init() picks (shared memory within one host); "hora_tcp" its TCP ring.
-LIBRARIES = ("hora", "hora_tcp", "gloo", "mpi")
+LIBRARIES = ("hora", "numpy", "numpy_oop", "torch", "torch_oop", "hora_tcp", "gloo", "mpi")
+#: One job times both forms of a public API: (library of allreduce_, library of allreduce).
+API_LIBRARIES = {"numpy": ("numpy", "numpy_oop"), "torch": ("torch", "torch_oop")}
 
 
 def _plan(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
@@ -65,6 +71,31 @@ def run_hora_tcp(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[in
     import hora
 
     return hora.run(hora_worker, args=(sizes, iters, warmup, "tcp"), np=np_)[0]
+
+
+def api_worker(sizes: list[int], iters: int, warmup: int, api: str) -> dict[str, dict[int, float]] | None:
+    """One rank of a public-API run: both calls' slowest-rank seconds per size, by library (rank 0)."""
+    from hora.bench.api import api_worker as bench_api_worker
+    from hora.bench.sweep import BenchSpec
+
+    rows = bench_api_worker(BenchSpec(sizes=tuple(sizes), ops=("allreduce",), dtype="float32", iters=iters,
+                                      warmup=warmup), api)
+    if rows is None:
+        return None
+    inplace, out_of_place = API_LIBRARIES[api]
+    out: dict[str, dict[int, float]] = {inplace: {}, out_of_place: {}}
+    for row in rows:
+        out[inplace if row["op"] == "allreduce_" else out_of_place][row["size"]] = row["time_us"] * 1e-6
+    return out
+
+
+def run_api(api: str) -> Callable[..., dict[str, dict[int, float]]]:
+    def run(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[str, dict[int, float]]:
+        import hora
+
+        return hora.run(api_worker, args=(sizes, iters, warmup, api), np=np_)[0]
+
+    return run
 
 
 # ---- torch.distributed / Gloo ---------------------------------------------------------------------
@@ -158,9 +189,12 @@ def run_mpi(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, fl
 
 
 def available(note: Callable[[str], None]) -> dict[str, Callable[..., dict[int, float]]]:
-    runners: dict[str, Callable[..., dict[int, float]]] = {"hora": run_hora, "hora_tcp": run_hora_tcp}
+    runners: dict[str, Callable[..., Any]] = {"hora": run_hora, "numpy": run_api("numpy"),
+                                              "hora_tcp": run_hora_tcp}
     try:
         import torch.distributed as dist
+
+        runners["torch"] = run_api("torch")
 
         if dist.is_available() and dist.is_gloo_available():
             runners["gloo"] = run_gloo
@@ -200,8 +234,9 @@ def build_rows(sizes: list[int], best: dict[str, dict[int, float]], np_: int) ->
             row[f"{lib}_us"] = None if seconds is None else seconds * 1e6
             row[f"{lib}_busbw"] = bus_bandwidth(_count(nbytes) * 4, seconds, np_)
         for other in ("gloo", "mpi"):
-            row[f"busbw_hora/{other}"] = _ratio(row["hora_busbw"], row[f"{other}_busbw"])
-            row[f"lat_hora/{other}"] = _ratio(row["hora_us"], row[f"{other}_us"])
+            for mine in ("hora", "numpy", "torch"):
+                row[f"busbw_{mine}/{other}"] = _ratio(row[f"{mine}_busbw"], row[f"{other}_busbw"])
+                row[f"lat_{mine}/{other}"] = _ratio(row[f"{mine}_us"], row[f"{other}_us"])
         rows.append(row)
     return rows
 
@@ -209,17 +244,24 @@ def build_rows(sizes: list[int], best: dict[str, dict[int, float]], np_: int) ->
 def format_table(rows: list[dict[str, Any]], np_: int, rounds: int) -> str:
     columns = [
         ("size(B)", "size", "{:d}", 11),
-        ("hora(us)", "hora_us", "{:.1f}", 10), ("tcp(us)", "hora_tcp_us", "{:.1f}", 10),
+        ("hora(us)", "hora_us", "{:.1f}", 10), ("np(us)", "numpy_us", "{:.1f}", 10),
+        ("torch(us)", "torch_us", "{:.1f}", 10), ("tcp(us)", "hora_tcp_us", "{:.1f}", 10),
         ("gloo(us)", "gloo_us", "{:.1f}", 10), ("mpi(us)", "mpi_us", "{:.1f}", 10),
-        ("hora GB/s", "hora_busbw", "{:.3f}", 10), ("tcp GB/s", "hora_tcp_busbw", "{:.3f}", 10),
+        ("hora GB/s", "hora_busbw", "{:.3f}", 10), ("np GB/s", "numpy_busbw", "{:.3f}", 10),
+        ("np-oop", "numpy_oop_busbw", "{:.3f}", 8), ("torch GB/s", "torch_busbw", "{:.3f}", 11),
+        ("t-oop", "torch_oop_busbw", "{:.3f}", 8), ("tcp GB/s", "hora_tcp_busbw", "{:.3f}", 10),
         ("gloo GB/s", "gloo_busbw", "{:.3f}", 10), ("mpi GB/s", "mpi_busbw", "{:.3f}", 10),
-        ("bw h/gloo", "busbw_hora/gloo", "{:.2f}", 10), ("bw h/mpi", "busbw_hora/mpi", "{:.2f}", 9),
-        ("lat h/gloo", "lat_hora/gloo", "{:.2f}", 11), ("lat h/mpi", "lat_hora/mpi", "{:.2f}", 10),
+        ("bw np/gloo", "busbw_numpy/gloo", "{:.2f}", 11), ("bw np/mpi", "busbw_numpy/mpi", "{:.2f}", 10),
+        ("bw t/gloo", "busbw_torch/gloo", "{:.2f}", 10), ("bw t/mpi", "busbw_torch/mpi", "{:.2f}", 9),
+        ("lat np/gloo", "lat_numpy/gloo", "{:.2f}", 12), ("lat t/gloo", "lat_torch/gloo", "{:.2f}", 11),
+        ("lat np/mpi", "lat_numpy/mpi", "{:.2f}", 11), ("lat t/mpi", "lat_torch/mpi", "{:.2f}", 10),
     ]
     lines = [
         f"# float32 allreduce, {np_} ranks, best of {rounds} interleaved round(s); time = slowest rank's mean per call",
-        "# hora = what init() picks (shared memory on one host); tcp = hora's TCP ring",
-        "# GB/s = bus bandwidth (size/time x 2(n-1)/n); bw h/X > 1: hora faster; lat h/X > 1: hora slower",
+        "# hora = its transport on its own buffers (shared memory on one host); np / torch = the public API in place",
+        "# (hora.allreduce_ on NumPy arrays / hora.torch.allreduce_ on CPU torch tensors); np-oop / t-oop = the",
+        "# out-of-place calls (a new result each call); tcp = hora's TCP ring",
+        "# GB/s = bus bandwidth (size/time x 2(n-1)/n); bw np/X > 1: hora faster; lat np/X > 1: hora slower",
         "".join(title.rjust(width) for title, _, _, width in columns),
     ]
     for row in rows:
@@ -248,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="timed calls per size for small sizes (default 50)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per size (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best per size wins (default 3)")
-    parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,hora_tcp,gloo,mpi")
+    parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,numpy,torch,hora_tcp,gloo,mpi")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
     parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -272,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                 note(f"{lib} failed in round {round_index + 1}; dropping it: {type(exc).__name__}: {exc}")
                 del runners[lib]
                 continue
-            for nbytes, seconds in times.items():
-                best[lib][nbytes] = min(seconds, best[lib].get(nbytes, float("inf")))
+            for name, by_size in (times.items() if lib in API_LIBRARIES else [(lib, times)]):
+                for nbytes, seconds in by_size.items():
+                    best.setdefault(name, {})
+                    best[name][nbytes] = min(seconds, best[name].get(nbytes, float("inf")))
             if not args.json:
                 note(f"round {round_index + 1}/{args.rounds}: {lib} took {time.monotonic() - started:.1f} s")
     rows = build_rows(args.sizes, best, args.np)

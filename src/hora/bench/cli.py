@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any, Sequence
 
 from hora.bench.sweep import (
@@ -25,6 +26,7 @@ from hora.bench.sweep import (
     run_job,
     size_sweep,
 )
+from hora.bench.api import API_OPS, APIS, api_worker, run_api_job
 from hora.errors import HoraError
 from hora.runner import identity
 
@@ -94,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transport", default="auto", choices=["auto", *sorted(TRANSPORTS)],
                         help="transport to measure (default auto: what init() picks, i.e. shared memory "
                              "within one host, TCP across hosts)")
+    parser.add_argument("--api", default="transport", choices=list(APIS),
+                        help="what to time: transport (default: the communicator on its own buffers, every "
+                             "collective) or the public allreduce/allreduce_ on NumPy arrays (numpy) or CPU "
+                             "torch tensors (torch), through the engine")
     parser.add_argument("--json", action="store_true", help="print a JSON list of row objects instead of tables")
     return parser
 
@@ -109,16 +115,17 @@ def spec_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         raise  # unreachable: parser.error exits
 
 
-def format_tables(rows: Sequence[dict[str, Any]], spec: BenchSpec) -> str:
+def format_tables(rows: Sequence[dict[str, Any]], spec: BenchSpec, api: str = "transport") -> str:
     """One nccl-tests style table per collective."""
     ranks = rows[0]["ranks"] if rows else "?"
+    through = "" if api == "transport" else f", public API on {'NumPy arrays' if api == 'numpy' else 'CPU torch tensors'}"
     lines = [
-        f"# hora bench: transport {spec.transport}, {ranks} ranks, dtype {spec.dtype}",
+        f"# hora bench: transport {spec.transport}{through}, {ranks} ranks, dtype {spec.dtype}",
         "# time: slowest rank's mean per call after warm-up; GB/s = 1e9 bytes/s;",
         "# busbw = algbw x allreduce 2(n-1)/n | allgather, reducescatter, alltoall (n-1)/n | broadcast 1",
     ]
     header = "".join(title.rjust(width + 1) for title, _, width, _ in COLUMNS)
-    for op in spec.ops:
+    for op in (spec.ops if api == "transport" else [op for op in API_OPS if any(r["op"] == op for r in rows)]):
         lines += ["#", f"# {op}", "#" + header[1:]]
         for row in rows:
             if row["op"] == op:
@@ -131,20 +138,26 @@ def main(argv: Sequence[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv))
     spec = spec_from_args(args, parser)
+    if args.api != "transport":
+        if spec.ops != OPS and any(op != "allreduce" for op in spec.ops):
+            parser.error(f"--api {args.api} times allreduce and allreduce_ only; drop --ops or use --ops allreduce")
+        spec = replace(spec, ops=("allreduce",))
     try:
         if identity.is_worker():  # already a worker of a hora job: measure in place
-            rows = bench_worker(spec)
+            rows = bench_worker(spec) if args.api == "transport" else api_worker(spec, args.api)
             if rows is None:  # not rank 0: rank 0 reports
                 return 0
-        else:
+        elif args.api == "transport":
             rows = run_job(spec, args.np)
+        else:
+            rows = run_api_job(spec, args.api, args.np)
     except HoraError as exc:
         print(f"hora bench: error: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(format_tables(rows, spec))
+        print(format_tables(rows, spec, args.api))
     return 0
 
 

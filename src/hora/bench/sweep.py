@@ -194,16 +194,32 @@ def _prepare(comm: Communicator, op: str, count: int, dtype: np.dtype, root: int
     raise ValueError(f"unknown collective {op!r}")
 
 
-def time_collective(comm: Communicator, call: Callable[[], None], iters: int, warmup: int) -> list[float] | None:
-    """Each rank's mean seconds per call, gathered at rank 0 (None on the other ranks)."""
+def time_calls(call: Callable[[], Any], iters: int, warmup: int, barrier: Callable[[], Any],
+               gather: Callable[[float], list[float] | None]) -> list[float] | None:
+    """Warm up, line the ranks up with ``barrier``, time ``iters`` calls; ``gather`` collects every
+    rank's mean seconds per call (what it returns is returned)."""
     for _ in range(warmup):
         call()
-    comm.barrier()
+    barrier()
     start = time.perf_counter()
     for _ in range(iters):
         call()
-    mean = (time.perf_counter() - start) / iters
-    return comm.gather_object(mean, 0)
+    return gather((time.perf_counter() - start) / iters)
+
+
+def time_collective(comm: Communicator, call: Callable[[], None], iters: int, warmup: int) -> list[float] | None:
+    """Each rank's mean seconds per call, gathered at rank 0 (None on the other ranks)."""
+    return time_calls(call, iters, warmup, comm.barrier, lambda mean: comm.gather_object(mean, 0))
+
+
+def timed_row(op: str, size: int, count: int, dtype: np.dtype, times: list[float], factor: float, iters: int,
+              ranks: int, transport: str) -> BenchRow:
+    """The table row of one measurement: the slowest rank's time and the bandwidths it gives."""
+    slowest = max(times)
+    algbw = size / slowest / 1e9 if slowest > 0 else 0.0
+    return BenchRow(op=op, size=size, count=count, dtype=dtype.name, time_us=slowest * 1e6, algbw=algbw,
+                    busbw=algbw * factor, iters=iters, ranks=ranks, transport=transport,
+                    per_rank_time_us=[t * 1e6 for t in times])
 
 
 def measure(comm: Communicator, spec: BenchSpec) -> list[BenchRow] | None:
@@ -225,16 +241,8 @@ def measure(comm: Communicator, spec: BenchSpec) -> list[BenchRow] | None:
             del call
             if times is None:
                 continue
-            slowest = max(times)
-            algbw = size / slowest / 1e9 if slowest > 0 else 0.0
-            rows.append(
-                BenchRow(
-                    op=op, size=size, count=count, dtype=dtype.name, time_us=slowest * 1e6,
-                    algbw=algbw, busbw=algbw * factor, iters=iters, ranks=comm.size,
-                    transport=spec.transport, per_rank_time_us=[t * 1e6 for t in times],
-                )
-            )
-            logger.debug("%s %d B: %.1f us", op, size, slowest * 1e6)
+            rows.append(timed_row(op, size, count, dtype, times, factor, iters, comm.size, spec.transport))
+            logger.debug("%s %d B: %.1f us", op, size, max(times) * 1e6)
     return rows if comm.rank == 0 else None
 
 

@@ -153,6 +153,9 @@ class Executor:
         self._fusion: dict[str, np.ndarray] = {}
         self._allocate = comm.allocate if comm.allocates_own_memory else None
         self._staged_min_bytes = comm.staged_min_bytes
+        #: The transport's out-of-place allreduce (shared memory offers one), for lone tensors.
+        self._into: Callable[[np.ndarray, np.ndarray, ReduceOp], None] | None = (
+            comm.allreduce_into if comm.reduces_into else None)
         #: Called with a bucket's items just before their handles complete (the engine's bookkeeping
         #: must be done by then: a caller may resubmit the same name the moment its handle is done).
         self.before_complete: Callable[[list[Item]], None] = lambda items: None
@@ -305,6 +308,16 @@ class Executor:
         dtype = sig.np_dtype
         post = _postscale(sig, self.comm.size)
         op = _transport_op(sig)
+        if len(items) == 1 and self._into is not None and op is not _ADASUM and sig.prescale == 1.0:
+            # The transport reduces straight from the caller's array into the result (shared memory:
+            # one copy in, one copy out, pipelined), with no fusion buffer between.
+            item = items[0]
+            out = self._output_of(item, dtype)
+            src = item.request.buffer if item.request is not None else out  # joined: zeros
+            self._transport(items, lambda: self._into(src.reshape(-1), out.reshape(-1), op))
+            _scale(out, post)
+            self._complete(item, out)
+            return
         if len(items) == 1 and not self._stages(sig.nbytes()):
             item = items[0]
             out = self._output_of(item, dtype)

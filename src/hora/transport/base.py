@@ -111,6 +111,16 @@ class Communicator(abc.ABC):
     #: Smallest lone buffer worth copying into :meth:`allocate`'s memory before a collective (smaller
     #: ones are copied by the transport anyway). Meaningful only with ``allocates_own_memory``.
     staged_min_bytes: int = 0
+    #: Whether :meth:`allreduce_into` saves copies over copying into ``dst`` and reducing it in place
+    #: (shared memory reads each rank's own share straight from ``src``); the engine then hands lone
+    #: tensors to it instead of staging them.
+    reduces_into: bool = False
+
+    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
+        """:meth:`allreduce` out of place: ``dst`` (``src`` itself for in place) receives the result."""
+        if dst is not src:
+            dst[...] = src
+        self.allreduce(dst, op)
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` that collectives on this communicator move fastest.

@@ -50,6 +50,9 @@ _SPIN_CHECKS = 50
 _YIELD_FOR_S = 0.0002
 _MAX_NAP_S = 0.001
 _LIVENESS_EVERY_S = 0.05
+#: Chunk of :meth:`ShmCommunicator.allreduce_into`'s pipeline: small enough that a chunk copied in is
+#: still in cache when it is reduced, large enough that the per-chunk synchronisation is noise.
+_PIPELINE_BYTES = 2 * 1024 * 1024
 
 _T = TypeVar("_T")
 
@@ -63,6 +66,7 @@ class ShmCommunicator(MemberCommunicator):
     #: Buffers at least this large gain from living in :meth:`allocate`'s memory (smaller ones
     #: travel through the small-message slots, which copy anyway).
     staged_min_bytes = SMALL_BYTES + 1
+    reduces_into = True
 
     def __init__(
         self,
@@ -75,6 +79,7 @@ class ShmCommunicator(MemberCommunicator):
         listen_host: str | None = None,
     ) -> None:
         self._segments: list[Segment] = []
+        self._slot_views: dict[tuple, list[np.ndarray]] = {}  # (parity, bytes, dtype) -> every rank's slot
         # Same scope as this communicator: a failure seen on either is one record for every rank.
         self._mesh = TcpCommunicator(rank, members, store, scope, secret, timeout=timeout, listen_host=listen_host)
         self._members = [int(m) for m in members]
@@ -178,6 +183,7 @@ class ShmCommunicator(MemberCommunicator):
         for old in self._segments:
             old.close()
         self._segments = segments
+        self._slot_views.clear()
         self._epoch = 0
         return want >= nbytes
 
@@ -210,8 +216,10 @@ class ShmCommunicator(MemberCommunicator):
         own[_OFFSET] = offset
         own[_EPOCH] = self._epoch  # written last: x86 keeps stores in order
 
-    def _wait_all(self) -> None:
-        target = self._epoch
+    def _wait_all(self, target: int | None = None) -> None:
+        """Wait until every peer has arrived at epoch ``target`` (default: this rank's latest)."""
+        if target is None:
+            target = self._epoch
         deadline = time.monotonic() + self.timeout
         next_liveness = time.monotonic() + _LIVENESS_EVERY_S
         for member, segment in enumerate(self._segments):
@@ -287,7 +295,98 @@ class ShmCommunicator(MemberCommunicator):
                 self._own.data[: chunk.nbytes].view(flat.dtype)[...] = chunk
                 self._allreduce_staged(self._own.data[: chunk.nbytes].view(flat.dtype), op, 0, out=chunk)
 
-    def _allreduce_small(self, flat: np.ndarray, op: ReduceOp) -> None:
+    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
+        """Out-of-place allreduce from a caller's own memory: ``dst`` receives the reduction of every
+        rank's ``src`` (``dst`` may be ``src``: in place). Same bits as :meth:`allreduce`.
+
+        One copy in and one copy out: each rank copies into its segment only the shares its peers
+        reduce, reduces its own share reading its part straight from ``src``, and copies the
+        finished shares into ``dst``. Large buffers go in pipelined chunks, so one rank's copy of
+        chunk k+1 overlaps the other's reduction of chunk k.
+        """
+        self._check_open("allreduce")
+        check_buffer(src)
+        check_op(op, src.dtype)
+        if dst is not src and (check_buffer(dst) or dst.dtype != src.dtype or dst.size != src.size):
+            raise ValueError(f"rank {self.global_rank}: allreduce output must match the input "
+                             f"({dst.dtype}[{dst.size}] vs {src.dtype}[{src.size}])")
+        sflat, dflat = src.reshape(-1), dst.reshape(-1)
+        if self.size == 1 or sflat.size == 0:
+            if dflat is not sflat and not np.shares_memory(dflat, sflat):
+                dflat[...] = sflat
+            return
+        with self._guard("allreduce", sflat.dtype):
+            if sflat.nbytes <= SMALL_BYTES:
+                self._allreduce_small(sflat, op, dflat)
+                return
+            fits = self._ensure(sflat.nbytes)
+            step = sflat.size if fits else max(1, self._own.capacity // sflat.itemsize)
+            for lo in range(0, sflat.size, step):
+                self._allreduce_pipelined(sflat[lo : lo + step], dflat[lo : lo + step], op)
+
+    def _allreduce_pipelined(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
+        """:meth:`allreduce_into` on a window that fits the segments (see there).
+
+        Every rank owns the elements it owns in :meth:`_allreduce_staged` and reduces them as it does
+        (own values first, then the others in rank order), in pieces, but
+        read from ``src``, with the result left in this rank's segment for the peers to copy.
+        Epochs: every rank arrives once after copying chunk k in and once after reducing it, in the
+        same order, so waiting for a peer's epoch number waits for exactly that step.
+        """
+        ufunc = reduction_ufunc(op, src.dtype)
+        n, me = self.size, self._rank
+        itemsize = src.itemsize
+        # Rank m owns the same elements as in one unchunked reduction (so every element is summed in
+        # the same order); chunk k takes the k-th piece of every rank's share.
+        bounds = split_offsets(src.size, n)
+        piece = max(1, _PIPELINE_BYTES // (itemsize * n))
+        longest = max(bounds[m + 1] - bounds[m] for m in range(n))
+        shares = [[(min(bounds[m] + k * piece, bounds[m + 1]), min(bounds[m] + (k + 1) * piece, bounds[m + 1]))
+                   for m in range(n)] for k in range(max(1, -(-longest // piece)))]
+        own = self._own.data[: src.nbytes].view(src.dtype)
+        peers = [None if m == me else seg.data[: src.nbytes].view(src.dtype) for m, seg in enumerate(self._segments)]
+        copied: list[int] = []  # this rank's epoch at "chunk k copied in": the same on every rank
+        reduced: list[int] = []
+
+        def copy_in(k: int) -> None:  # the shares the peers reduce; this rank's own stays in src
+            for m, (lo, hi) in enumerate(shares[k]):
+                if m != me and hi > lo:
+                    own[lo:hi] = src[lo:hi]
+            self._arrive()
+            copied.append(self._epoch)
+
+        def reduce(k: int) -> None:
+            self._wait_all(copied[k])  # every peer copied chunk k in
+            lo, hi = shares[k][me]
+            if hi > lo:
+                out = own[lo:hi]
+                first = True
+                for m in range(n):
+                    if m != me:
+                        ufunc(src[lo:hi] if first else out, peers[m][lo:hi], out=out)
+                        first = False
+            self._arrive()
+            reduced.append(self._epoch)
+
+        def copy_out(k: int) -> None:
+            self._wait_all(reduced[k])  # every share of chunk k is reduced
+            for m, (lo, hi) in enumerate(shares[k]):
+                if hi > lo:
+                    dst[lo:hi] = (own if m == me else peers[m])[lo:hi]
+
+        # Copy-in of chunk k+1 comes before the reduction of chunk k, so a fast rank's copy overlaps
+        # a slow rank's reduction, and its copy-out of k-1 the peers' reductions of k.
+        copy_in(0)
+        for k in range(len(shares)):
+            if k + 1 < len(shares):
+                copy_in(k + 1)
+            reduce(k)
+            if k > 0:
+                copy_out(k - 1)
+        copy_out(len(shares) - 1)
+        self._sync(0)  # nobody reads the segments any more: they may be reused
+
+    def _allreduce_small(self, flat: np.ndarray, op: ReduceOp, out: np.ndarray | None = None) -> None:
         """One synchronisation: stage into the slot of this epoch's parity, then every rank reduces
         all slots in rank order (so every rank computes the same bits).
 
@@ -297,16 +396,23 @@ class ShmCommunicator(MemberCommunicator):
         ufunc = reduction_ufunc(op, flat.dtype)
         parity = (self._epoch + 1) % 2
         nbytes = flat.nbytes
-        self._own.small[parity][:nbytes].view(flat.dtype)[...] = flat
+        key = (parity, nbytes, flat.dtype)
+        slots = self._slot_views.get(key)
+        if slots is None:  # the same few sizes recur every step: make their views once
+            if len(self._slot_views) > 256:
+                self._slot_views.clear()
+            slots = self._slot_views[key] = [seg.small[parity][:nbytes].view(flat.dtype) for seg in self._segments]
+        slots[self._rank][...] = flat
         self._sync()
-        slots = [seg.small[parity][:nbytes].view(flat.dtype) for seg in self._segments]
+        if out is None:
+            out = flat
         if self.size == 2:
-            ufunc(slots[0], slots[1], out=flat)
+            ufunc(slots[0], slots[1], out=out)
             return
         acc = slots[0].copy()
         for m in range(1, self.size):
             ufunc(acc, slots[m], out=acc)
-        flat[...] = acc
+        out[...] = acc
 
     def _allreduce_staged(self, staged: np.ndarray, op: ReduceOp, offset: int, out: np.ndarray | None) -> None:
         """Every rank's input is staged in its segment at ``offset``; reduce, then gather the shares.
@@ -420,6 +526,7 @@ class ShmCommunicator(MemberCommunicator):
 
     def close(self) -> None:
         self._guard.closed = True
+        self._slot_views.clear()  # views into the mappings: drop them so the mappings really close
         for segment in self._segments:
             segment.close()
         self._segments = []

@@ -1,0 +1,91 @@
+"""``hora bench --api numpy|torch``: allreduce through the public API, as a training script calls it.
+
+The transport sweep (:mod:`hora.bench.sweep`) times the communicator on its own buffers; this one
+times what users feel: ``hora.allreduce`` / ``hora.allreduce_`` on plain NumPy arrays, or
+``hora.torch.allreduce`` / ``allreduce_`` on CPU torch tensors, through the engine (negotiation,
+response cache, copies in and out). Each size uses one fixed tensor name, as a gradient does, and
+the same timing rule as the transport sweep (warm-up, barrier, slowest rank's mean per call).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from hora.bench.sweep import BenchRow, BenchSpec, bus_factor, iteration_plan, parse_dtype, time_calls, timed_row
+
+APIS: tuple[str, ...] = ("transport", "numpy", "torch")
+#: The public calls measured per API: out of place (a new result) and in place (into the caller's buffer).
+API_OPS: tuple[str, ...] = ("allreduce", "allreduce_")
+
+
+def _calls(api: str, count: int, dtype: np.dtype, name: str) -> dict[str, Callable[[], Any]]:
+    """The out-of-place and in-place calls on one buffer of ``count`` elements (summed, as the
+    other libraries in benchmarks/compare_allreduce.py do)."""
+    if api == "numpy":
+        import hora
+
+        buf = np.zeros(count, dtype=dtype)
+        return {"allreduce": lambda: hora.allreduce(buf, name=name, op=hora.Sum),
+                "allreduce_": lambda: hora.allreduce_(buf, name=name + "_", op=hora.Sum)}
+    if api == "torch":
+        import torch
+
+        import hora.torch as hvd
+        from hora.torch.tensors import from_array
+
+        tensor = from_array(np.zeros(count, dtype=dtype))
+        assert isinstance(tensor, torch.Tensor)
+        return {"allreduce": lambda: hvd.allreduce(tensor, name=name, op=hvd.Sum),
+                "allreduce_": lambda: hvd.allreduce_(tensor, name=name + "_", op=hvd.Sum)}
+    raise ValueError(f"unknown API {api!r}; choose from {', '.join(APIS)}")
+
+
+def api_worker(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
+    """One rank of an API benchmark job: init hora, sweep, return rank 0's rows (None elsewhere)."""
+    import hora
+
+    if api == "torch":
+        import hora.torch  # noqa: F401 - fail here, naming torch, before anything is timed
+    hora.init()  # the transport comes from HORA_TRANSPORT (run_api_job sets it for --transport)
+    try:
+        return measure_api(spec, api)
+    finally:
+        hora.shutdown()
+
+
+def measure_api(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
+    """Time every (call, size) of ``spec`` through ``api`` on every rank of the initialised job."""
+    import hora
+
+    dtype = parse_dtype(spec.dtype)
+    size, rank = hora.size(), hora.rank()
+    rows: list[BenchRow] = []
+    ops = [op for op in API_OPS if op in spec.ops or op.rstrip("_") in spec.ops]
+    for op in ops:
+        factor = bus_factor("allreduce", size)
+        done: set[int] = set()
+        for nbytes in spec.sizes:
+            count = max(1, int(nbytes) // dtype.itemsize)
+            nbytes = count * dtype.itemsize
+            if nbytes in done:
+                continue
+            done.add(nbytes)
+            iters, warmup = iteration_plan(nbytes, spec.iters, spec.warmup, spec.budget_bytes)
+            call = _calls(api, count, dtype, f"bench.{api}.{nbytes}")[op]
+            times = time_calls(call, iters, warmup, hora.barrier, hora.allgather_object)
+            del call
+            assert times is not None
+            rows.append(timed_row(op, nbytes, count, dtype, times, factor, iters, size, spec.transport))
+    return [dict(row.as_dict(), api=api) for row in rows] if rank == 0 else None
+
+
+def run_api_job(spec: BenchSpec, api: str, np: int, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Launch ``np`` local workers with :func:`hora.run` and return the API sweep's rows."""
+    import hora
+
+    env = dict(env or {})
+    if spec.transport != "auto":
+        env["HORA_TRANSPORT"] = spec.transport
+    return hora.run(api_worker, args=(spec, api), np=np, env=env)[0] or []
