@@ -26,6 +26,7 @@ from hora.rendezvous.client import RendezvousClient
 from hora.transport.base import Communicator, ReduceOp, check_buffer
 from hora.transport.layout import split_offsets
 from hora.transport.reduce import check_op
+from hora.transport.scratch import ScratchArrays
 from hora.transport.shm import ShmCommunicator
 from hora.transport.tcp import TcpCommunicator
 from hora.transport.topology import Topology, exchange_topology
@@ -45,6 +46,7 @@ class HierarchicalCommunicator(Communicator):
         if cross is None and local.rank < lanes and local.size < flat.size:
             raise ValueError(f"local rank {local.rank} < lanes {lanes} needs its cross-host ring")
         self.flat, self.local, self.cross, self.lanes = flat, local, cross, lanes
+        self._scratch = ScratchArrays()
         self._closed = False
         #: Whether allreduce goes through the hosts' layers (True) or the flat ring: the autotuner
         #: switches it, at the same engine cycle on every rank.
@@ -123,7 +125,7 @@ class HierarchicalCommunicator(Communicator):
             return
         offsets = split_offsets(flat.size, self.lanes)
         counts = [offsets[i + 1] - offsets[i] for i in range(self.lanes)] + [0] * (local.size - self.lanes)
-        part = np.empty(counts[local.rank], dtype=flat.dtype)
+        part = self._scratch.get("part", counts[local.rank], flat.dtype)  # reused: no fresh pages
         local.reducescatter(flat, part, counts, op)
         if cross is not None and cross.size > 1:
             cross.allreduce(part, op)

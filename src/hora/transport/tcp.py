@@ -35,6 +35,7 @@ from hora.transport.base import MemberCommunicator, ReduceOp, check_buffer, chec
 from hora.transport.guard import CollectiveGuard
 from hora.transport.layout import bytes_of, count_offsets, split_offsets
 from hora.transport.reduce import check_op, reduction_ufunc
+from hora.transport.scratch import ScratchArrays
 from hora.transport.sender import AsyncSender
 from hora.transport.tcp_mesh import LazyMesh, route_address
 
@@ -87,6 +88,7 @@ class TcpCommunicator(MemberCommunicator):
         #: trees): what the engine's control plane costs per cycle (benchmarks/scaling_one_host.py).
         self.small_messages_sent = 0
         self._sender = AsyncSender(name=f"hora-send-{self.global_rank}")
+        self._scratch = ScratchArrays()  # ring chunk and reduce-scatter work arrays, reused
         # The guard every collective runs in: one collective at a time, refused once failed, and any
         # failure inside recorded for the peers and raised with its root cause.
         self._guard = CollectiveGuard(store, scope, self._members, rank, self.timeout,
@@ -302,7 +304,7 @@ class TcpCommunicator(MemberCommunicator):
         itemsize = src.itemsize
         next_sock = self._sock(nxt)
         src_bytes, work_bytes = bytes_of(src), bytes_of(work)
-        scratch = np.empty(max(1, self.chunk_bytes // itemsize), dtype=src.dtype)
+        scratch = self._scratch.get("chunk", max(1, self.chunk_bytes // itemsize), src.dtype)
         scratch_bytes = bytes_of(scratch)
 
         first = (r + own_shift - 1) % n
@@ -478,7 +480,7 @@ class TcpCommunicator(MemberCommunicator):
             if self._use_direct(send.nbytes):
                 self._reducescatter_direct(sflat, rflat, offsets, op)
             else:
-                work = np.empty_like(sflat)
+                work = self._scratch.get("work", sflat.size, sflat.dtype)
                 self._reduce_scatter_ring(sflat, work, offsets, op, own_shift=0)
                 rflat[...] = work[lo:hi]
 
@@ -586,4 +588,5 @@ class TcpCommunicator(MemberCommunicator):
         self._sender.close()
         self._links.close()
         self._peers.clear()
+        self._scratch.clear()
 
