@@ -11,7 +11,8 @@ Keras 2 has two optimizer families, and hora wraps both as Horovod does:
 ``apply_gradients`` reduces gradients that did not come through those (a custom loop's own
 ``tape.gradient``): Horovod leaves them unreduced there, which silently trains each rank on its own
 data; hora reduces them once, wherever they enter. The reduction is hora.tensorflow's (one op in the
-step Keras compiles; IndexedSlices gathered, or densified with ``sparse_as_dense``) and local
+step Keras compiles; dense gradients in flat buckets of :mod:`hora.gradient_buckets`, one engine
+request each; IndexedSlices gathered, or densified with ``sparse_as_dense``) and local
 aggregation over ``backward_passes_per_step`` is hora.tensorflow's TensorFlow 1 aggregator (the
 same semantics: sums in local variables, the k-th pass reduces and applies, the others only count
 ``iterations``). Variables given to ``register_local_var`` keep their own gradient on each rank.

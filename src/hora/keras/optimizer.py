@@ -4,8 +4,8 @@ updates use gradients averaged across ranks, on whichever backend Keras runs, an
 The Keras 3 wrapper is :mod:`hora.keras_wrapper`, which hora.tensorflow uses too; under
 ``TF_USE_LEGACY_KERAS=1`` (see :func:`hora.keras_wrapper.uses_tf_keras`) tf_keras optimizers are
 wrapped by :mod:`hora.keras.keras2`. On the TensorFlow backend the reduction is hora.tensorflow's
-(one op inside the step Keras compiles); imported here only then, so hora.keras on the torch backend
-never imports TensorFlow.
+(one op inside the step Keras compiles, dense gradients in flat buckets, one engine request each);
+imported here only then, so hora.keras on the torch backend never imports TensorFlow.
 """
 
 from __future__ import annotations
