@@ -13,9 +13,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hora.errors import HoraError
 from hora.bench.sweep import BenchRow, BenchSpec, bus_factor, iteration_plan, parse_dtype, time_calls, timed_row
 
-APIS: tuple[str, ...] = ("transport", "numpy", "torch")
+APIS: tuple[str, ...] = ("transport", "numpy", "torch", "torch-cuda")
+#: What each API's rows were measured on (the table's title).
+API_SUBJECTS = {"numpy": "NumPy arrays", "torch": "CPU torch tensors",
+                "torch-cuda": "CUDA torch tensors (NCCL when usable; each call waits for the GPU)"}
 #: The public calls measured per API: out of place (a new result) and in place (into the caller's buffer).
 API_OPS: tuple[str, ...] = ("allreduce", "allreduce_")
 
@@ -39,6 +43,21 @@ def _calls(api: str, count: int, dtype: np.dtype, name: str) -> dict[str, Callab
         assert isinstance(tensor, torch.Tensor)
         return {"allreduce": lambda: hvd.allreduce(tensor, name=name, op=hvd.Sum),
                 "allreduce_": lambda: hvd.allreduce_(tensor, name=name + "_", op=hvd.Sum)}
+    if api == "torch-cuda":
+        import torch
+
+        import hora.torch as hvd
+
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        tensor = torch.zeros(count, dtype=torch.from_numpy(np.zeros(0, dtype=dtype)).dtype, device=device)
+
+        def synced(call: Callable[[], Any]) -> Callable[[], Any]:
+            # a CUDA collective returns once enqueued: wait for the GPU so each call is timed whole
+            return lambda: (call(), torch.cuda.synchronize(device))
+
+        return {"allreduce": synced(lambda: hvd.allreduce(tensor, name=name, op=hvd.Sum)),
+                "allreduce_": synced(lambda: hvd.allreduce_(tensor, name=name + "_", op=hvd.Sum))}
     raise ValueError(f"unknown API {api!r}; choose from {', '.join(APIS)}")
 
 
@@ -46,8 +65,16 @@ def api_worker(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
     """One rank of an API benchmark job: init hora, sweep, return rank 0's rows (None elsewhere)."""
     import hora
 
-    if api == "torch":
+    if api in ("torch", "torch-cuda"):
         import hora.torch  # noqa: F401 - fail here, naming torch, before anything is timed
+    if api == "torch-cuda":
+        import socket
+
+        import torch
+
+        if not torch.cuda.is_available():
+            raise HoraError(f"--api torch-cuda needs a CUDA GPU on every rank, but torch.cuda.is_available() "
+                            f"is False on {socket.gethostname()} (torch {torch.__version__})")
     hora.init()  # the transport comes from HORA_TRANSPORT (run_api_job sets it for --transport)
     try:
         return measure_api(spec, api)

@@ -26,7 +26,7 @@ from hora.bench.sweep import (
     run_job,
     size_sweep,
 )
-from hora.bench.api import API_OPS, APIS, api_worker, run_api_job
+from hora.bench.api import API_OPS, API_SUBJECTS, APIS, api_worker, run_api_job
 from hora.errors import HoraError
 from hora.runner import identity
 
@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "within one host, TCP across hosts)")
     parser.add_argument("--api", default="transport", choices=list(APIS),
                         help="what to time: transport (default: the communicator on its own buffers, every "
-                             "collective) or the public allreduce/allreduce_ on NumPy arrays (numpy) or CPU "
-                             "torch tensors (torch), through the engine")
+                             "collective) or the public allreduce/allreduce_ on NumPy arrays (numpy), CPU "
+                             "torch tensors (torch) or CUDA torch tensors (torch-cuda: NCCL's busbw on a GPU "
+                             "machine), through the engine")
     parser.add_argument("--json", action="store_true", help="print a JSON list of row objects instead of tables")
     return parser
 
@@ -118,7 +119,7 @@ def spec_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 def format_tables(rows: Sequence[dict[str, Any]], spec: BenchSpec, api: str = "transport") -> str:
     """One nccl-tests style table per collective."""
     ranks = rows[0]["ranks"] if rows else "?"
-    through = "" if api == "transport" else f", public API on {'NumPy arrays' if api == 'numpy' else 'CPU torch tensors'}"
+    through = "" if api == "transport" else f", public API on {API_SUBJECTS[api]}"
     lines = [
         f"# hora bench: transport {spec.transport}{through}, {ranks} ranks, dtype {spec.dtype}",
         "# time: slowest rank's mean per call after warm-up; GB/s = 1e9 bytes/s;",
