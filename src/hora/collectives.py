@@ -203,20 +203,22 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
 # ---- broadcast ----------------------------------------------------------------------------------
 
+def check_root(root_rank: int, process_set: ProcessSet) -> None:
+    """A broadcast's root must be a member of its process set (every binding checks it here)."""
+    if int(root_rank) not in process_set.ranks:
+        raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {process_set.ranks})")
+
+
 def _broadcast_request(tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet,
                        inplace: bool) -> Request:
+    check_root(root_rank, process_set)
     if type(tensor) is not np.ndarray and is_cuda(tensor):
-        if int(root_rank) not in process_set.ranks:
-            raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {process_set.ranks})")
         return cuda_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank), inplace=inplace,
                             required=True)
     arr = tensor if inplace else _as_array(tensor)
     if inplace and (not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable):
         raise ValueError("in-place broadcast needs a writeable, C-contiguous numpy array")
     _as_array(arr)
-    members = process_set.ranks
-    if int(root_rank) not in members:
-        raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {members})")
     return _request(Kind.BROADCAST, name, arr, process_set, output=arr if inplace else None, root=int(root_rank))
 
 

@@ -100,8 +100,10 @@ class DeviceExecutor:
                     sig = item.response.signature
                     by_reduction.setdefault((sig.op, sig.prescale, sig.postscale), []).append(item)
             for (op, prescale, postscale), group in by_reduction.items():
-                buffers = [self._target(item, results) for item in group]
-                self._allreduce(comm, buffers, ReduceOp(op), prescale, postscale)
+                targets = [self._target(item) for item in group]
+                for item, (_, result) in zip(group, targets):
+                    results[id(item)] = result
+                self._allreduce(comm, [buffer for buffer, _ in targets], ReduceOp(op), prescale, postscale)
             for item in items:
                 if item.response.signature.kind != Kind.ALLREDUCE:
                     results[id(item)] = self._one(comm, item)
@@ -116,17 +118,15 @@ class DeviceExecutor:
         for item in items:
             complete(item, results[id(item)])
 
-    def _target(self, item: Any, results: dict[int, Any]) -> DeviceBuffer:
-        """The buffer an allreduce or broadcast works on: the input itself in place, else a new
-        tensor filled from the input on hora's stream (its result)."""
+    def _target(self, item: Any) -> tuple[DeviceBuffer, Any]:
+        """The buffer an allreduce or broadcast works on and the framework tensor it returns: the
+        input itself in place, else a new tensor filled from the input on hora's stream."""
         dev = item.request.buffer
         if dev.inplace:
-            results[id(item)] = dev.tensor
-            return dev.buffer
+            return dev.buffer, dev.tensor
         out, out_buf = dev.allocate(tuple(dev.shape))
         self.ops.copy(out_buf, dev.buffer)
-        results[id(item)] = out
-        return out_buf
+        return out_buf, out
 
     def _allreduce(self, comm: Any, buffers: list[DeviceBuffer], op: ReduceOp, prescale: float,
                    postscale: float) -> None:
@@ -143,9 +143,9 @@ class DeviceExecutor:
         sig, response, dev = item.response.signature, item.response, item.request.buffer
         row = sig.row_count
         if sig.kind == Kind.BROADCAST:
-            results: dict[int, Any] = {}
-            self.ops.broadcast(comm, self._target(item, results), self.members.index(sig.root))
-            return results[id(item)]
+            buffer, result = self._target(item)
+            self.ops.broadcast(comm, buffer, self.members.index(sig.root))
+            return result
         if sig.kind == Kind.ALLGATHER:
             out, out_buf = dev.allocate((sum(response.rows),) + tuple(sig.shape[1:]))
             self.ops.allgather(comm, dev.buffer, out_buf, [r * row for r in response.rows])

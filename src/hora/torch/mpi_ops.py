@@ -53,12 +53,12 @@ def _same(result: Any) -> Any:
     return result
 
 
-def _grouped_cuda(tensors: Sequence[torch.Tensor], kind: str, name: str | None, process_set: ProcessSet,
-                  inplace: bool, **fields: Any) -> TorchHandle | None:
-    """A grouped collective on NCCL when every member takes the device path, else None (host path)."""
+def _grouped_allreduce_cuda(tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet,
+                            inplace: bool, **fields: Any) -> TorchHandle | None:
+    """A grouped allreduce on NCCL when every member takes the device path, else None (host path)."""
     if not tensors or not all(t.is_cuda for t in tensors):
         return None
-    base, names = collectives.group_names(name, len(tensors), kind, process_set)
+    base, names = collectives.group_names(name, len(tensors), "allreduce", process_set)
     requests = [cuda_request(Kind.ALLREDUCE, t, n, process_set, inplace, group=base, group_size=len(tensors),
                              **fields) for t, n in zip(tensors, names)]
     if any(r is None for r in requests):
@@ -70,8 +70,7 @@ def _broadcast_cuda(tensor: torch.Tensor, root_rank: int, name: str | None, proc
                     inplace: bool) -> Any:
     if not tensor.is_cuda:
         return None
-    if int(root_rank) not in process_set.ranks:
-        raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {process_set.ranks})")
+    collectives.check_root(root_rank, process_set)
     return cuda_request(Kind.BROADCAST, tensor, name, process_set, inplace, root=int(root_rank))
 
 
@@ -163,8 +162,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start reducing a list of tensors as one fused unit."""
-    device = _grouped_cuda(tensors, "allreduce", name, process_set, False, op=horovod_args.resolve_op(op, average),
-                           prescale=prescale_factor, postscale=postscale_factor)
+    device = _grouped_allreduce_cuda(tensors, name, process_set, False, op=horovod_args.resolve_op(op, average),
+                                     prescale=prescale_factor, postscale=postscale_factor)
     if device is not None:
         return device
     handles = collectives.grouped_allreduce_async([as_array(t) for t in tensors], average, name, op,
@@ -176,8 +175,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> TorchHandle:
-    device = _grouped_cuda(tensors, "allreduce", name, process_set, True, op=horovod_args.resolve_op(op, average),
-                           prescale=prescale_factor, postscale=postscale_factor)
+    device = _grouped_allreduce_cuda(tensors, name, process_set, True, op=horovod_args.resolve_op(op, average),
+                                     prescale=prescale_factor, postscale=postscale_factor)
     if device is not None:
         return device
     pairs = [_inplace(t) for t in tensors]
