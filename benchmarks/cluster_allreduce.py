@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unshaped", action="store_true",
                         help="emulated links without tc (the bound is still computed at --link-gbit): "
                              "what the CPU alone allows, to tell the shaping's cost from hora's")
+    parser.add_argument("--tcp-congestion",
+                        help="the emulated hosts' TCP congestion control (default reno: ACK-clocked like "
+                             "a usual host's CUBIC; 'default' keeps what a namespace gets from this "
+                             "machine, BBR here, whose pacing timers all hosts pay on the shared cores); "
+                             "emulated cluster only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -198,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hora-cluster-bench-") as tmp:
         out = os.path.join(tmp, "times.json")
         if args.hosts:
+            if args.tcp_congestion:
+                parser.error("--tcp-congestion sets the emulated hosts' TCP; with --hosts configure "
+                             "your hosts' net.ipv4.tcp_congestion_control yourself")
             flags = []
             if args.ssh_port:
                 flags += ["-p", str(args.ssh_port)]
@@ -217,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if args.unshaped:
                     rate, where = None, "emulated, links NOT shaped (CPU-bound reference)"
-                with EmulatedCluster(args.emulated_hosts, rate=rate) as cluster:
+                congestion = args.tcp_congestion or "reno"
+                congestion = None if congestion == "default" else congestion
+                where += f", TCP congestion control {congestion or 'the machine default'}"
+                with EmulatedCluster(args.emulated_hosts, rate=rate, tcp_congestion=congestion) as cluster:
                     hosts = [h.address for h in cluster.hosts]
                     if args.compare_hierarchical:
                         return compare_hierarchical(hosts, cluster.ssh_flags(), cluster.interfaces_flag(),

@@ -104,11 +104,19 @@ class EmulatedHost:
 
 @dataclass
 class EmulatedCluster:
-    """``hosts`` namespaces on one bridge; ``rate`` like ``1gbit``; ``delay`` like ``1ms``."""
+    """``hosts`` namespaces on one bridge; ``rate`` like ``1gbit``; ``delay`` like ``1ms``.
+
+    ``tcp_congestion`` sets the hosts' TCP congestion control (``net.ipv4.tcp_congestion_control`` of
+    each host namespace; the root namespace is left alone). All hosts share the machine's cores, so a
+    pacing algorithm such as BBR, whose hrtimers a real host pays on its own CPU, costs the emulation
+    every host's timers on the same cores; ``"reno"`` (ACK-clocked, like Linux's usual CUBIC, which a
+    namespace may only pick if the root's ``tcp_allowed_congestion_control`` lists it) avoids that.
+    None keeps what a new namespace gets from the machine."""
 
     hosts_count: int = 2
     rate: str | None = None
     delay: str | None = None
+    tcp_congestion: str | None = None
     hosts: list[EmulatedHost] = field(default_factory=list)
     slot: int = -1
     workdir: Path | None = None
@@ -218,6 +226,14 @@ class EmulatedCluster:
             _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", HOST_IFACE])
             _run(["ip", "-n", host.netns, "link", "set", HOST_IFACE, "up"])
             _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+            if self.tcp_congestion:
+                result = _run(["ip", "netns", "exec", host.netns, "sysctl", "-qw",
+                               f"net.ipv4.tcp_congestion_control={self.tcp_congestion}"], check=False)
+                if result.returncode != 0:
+                    raise ClusterUnavailable(
+                        f"cannot set TCP congestion control {self.tcp_congestion!r} in {host.netns}: "
+                        f"{result.stderr.strip()} (a namespace may pick only what the root namespace's "
+                        "net.ipv4.tcp_allowed_congestion_control lists)")
             if self.rate or self.delay:
                 self._shape(["tc"], host.root_veth)
                 self._shape(["tc", "-n", host.netns], HOST_IFACE)

@@ -42,3 +42,20 @@ def test_cluster_allreduce_benchmark_small_world_size_4(cluster):
     assert math.isclose(row["bound_s"], 1.5 * 2**20 / 125e6)
     assert 0 < row["best_s"] <= row["median_s"] < 30
     assert math.isclose(row["best_over_bound"], row["best_s"] / row["bound_s"])
+
+
+@pytest.mark.timeout(60)
+def test_emulated_hosts_take_the_requested_tcp_congestion_control(cluster):
+    from emucluster import EmulatedCluster
+
+    with EmulatedCluster(2, tcp_congestion="reno") as own:
+        for host in own.hosts:
+            got = subprocess.run(host.exec_argv(["sysctl", "-n", "net.ipv4.tcp_congestion_control"]),
+                                 capture_output=True, text=True, timeout=10)
+            assert got.stdout.strip() == "reno", got.stdout + got.stderr
+
+
+def test_tcp_congestion_flag_is_refused_for_real_hosts():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--hosts", "h1,h2", "--tcp-congestion", "reno"],
+                            capture_output=True, text=True, timeout=30, env=clean_env(), cwd=str(REPO))
+    assert result.returncode == 2 and "--tcp-congestion" in result.stderr and "--hosts" in result.stderr
