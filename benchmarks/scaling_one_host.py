@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import IO, Any
 
 
 def _sockets_and_threads() -> tuple[int, int]:
@@ -122,9 +122,22 @@ def measure(n: int, transport: str | None, small_iters: int, big_iters: int) -> 
 _LAUNCHED_SCRIPT = "import time; print('up', flush=True); time.sleep(8)"
 
 
-def _threads_of(pid: int) -> int:
+def threads_of(pid: int) -> int:
+    """Threads of process ``pid`` now (also used by scaling_cluster_launch.py)."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def wait_for_rank_lines(stream: IO[str], n: int, marker: str = "<stdout>:up") -> dict[str, str]:
+    """Read a launcher's output until ``n`` ranks each sent a line containing ``marker``; rank
+    prefix (``[3]``) -> that line. Fewer when the launcher's output ends first."""
+    seen: dict[str, str] = {}
+    for line in stream:
+        if marker in line:
+            seen.setdefault(line.split("]", 1)[0] + "]", line.rstrip("\n"))
+            if len(seen) == n:
+                break
+    return seen
 
 
 def measure_launcher(n: int, python_path: str | None) -> dict[str, Any]:
@@ -145,14 +158,9 @@ def measure_launcher(n: int, python_path: str | None) -> dict[str, Any]:
     proc = subprocess.Popen([sys.executable, "-m", "hora", "run", "-np", str(n), sys.executable, "-c",
                              _LAUNCHED_SCRIPT], stdout=subprocess.PIPE, env=env, text=True)
     assert proc.stdout is not None
-    seen: set[str] = set()
-    for line in proc.stdout:
-        if line.rstrip().endswith("<stdout>:up"):
-            seen.add(line.split("]", 1)[0])
-            if len(seen) == n:
-                break
+    seen = wait_for_rank_lines(proc.stdout, n)
     startup = time.perf_counter() - launched
-    threads = _threads_of(proc.pid)
+    threads = threads_of(proc.pid)
     proc.stdout.read()
     code = proc.wait(timeout=600)
     return {"ranks": n, "launcher_startup_s": startup, "spawn_s": spawn_s, "launcher_threads": threads,
@@ -173,7 +181,7 @@ def main() -> int:
         rows = [measure_launcher(int(n), args.launcher_python_path) for n in args.sizes.split(",")]
         cols: tuple[str, ...] = ("ranks", "launcher_startup_s", "spawn_s", "exit_s", "launcher_threads",
                                  "ranks_seen", "exit_code")
-        print(json.dumps(rows, indent=1) if args.json else _table(rows, cols))
+        print(json.dumps(rows, indent=1) if args.json else format_table(rows, cols))
         return 0
     rows = [measure(int(n), args.transport, args.small_iters, args.big_iters) for n in args.sizes.split(",")]
     if args.json:
@@ -182,11 +190,11 @@ def main() -> int:
     cols = ("ranks", "startup_s", "allreduce_4B_us", "allreduce_1MiB_us", "cached_cycle_us",
             "sockets_per_process", "threads_per_process", "name_rounds_in_steady_state",
             "tcp_peers_per_process", "p2p_msgs_per_call")
-    print(_table(rows, cols))
+    print(format_table(rows, cols))
     return 0
 
 
-def _table(rows: list[dict[str, Any]], cols: tuple[str, ...]) -> str:
+def format_table(rows: list[dict[str, Any]], cols: tuple[str, ...]) -> str:
     lines = [" | ".join(cols)]
     for row in rows:
         lines.append(" | ".join(f"{row[c]:.2f}" if isinstance(row[c], float) else f"{row[c]}" for c in cols))
