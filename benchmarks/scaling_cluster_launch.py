@@ -11,7 +11,9 @@ one 4-byte ``hora.allreduce``, prints one line and sleeps ``--sleep`` seconds. P
 - start-up: launch until every rank's line came back through the launcher (so it includes SSH
   log-in, the rendezvous, the first allreduce and output routing);
 - the launcher's threads (/proc/PID/task) and its ssh client processes (children named after the
-  ssh program) while every rank runs, and the launcher's own CPU seconds up to then;
+  ssh program) while every rank runs, the launcher's own CPU seconds up to then, and how many of
+  the machine's cores were busy over the start-up (all processes, /proc/stat; near the core count
+  means the start-up was CPU-bound);
 - exit: launch until ``hora run`` returned (the sleep included).
 
 ``--failure`` adds, at the largest size, runs where rank ``--kill-rank`` (37) SIGKILLs itself right
@@ -44,6 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from cluster_allreduce import _machine_cpu  # noqa: E402
 from scaling_one_host import format_table, threads_of, wait_for_rank_lines  # noqa: E402
 
 # argv[1]: the rank that kills itself (-1: none); argv[2]: seconds to sleep after the line.
@@ -106,6 +109,7 @@ def measure_launch(hosts: list[str], ssh_flags: list[str], interfaces: str | Non
         env["PYTHONPATH"] = python_path
     ssh_program = os.path.basename((env.get("HORA_SSH_COMMAND") or "ssh").split()[0])
     with tempfile.TemporaryFile("w+") as err:
+        machine_before = _machine_cpu()
         launched = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
                                 cwd=str(REPO))
@@ -115,6 +119,7 @@ def measure_launch(hosts: list[str], ssh_flags: list[str], interfaces: str | Non
             assert proc.stdout is not None
             seen = wait_for_rank_lines(proc.stdout, n, MARKER)
             startup = time.perf_counter() - launched
+            machine = {k: v - machine_before[k] for k, v in _machine_cpu().items()}
             threads, ssh = threads_of(proc.pid), children_named(proc.pid, ssh_program)
             launcher_cpu = cpu_seconds(proc.pid)
             proc.stdout.read()
@@ -129,7 +134,10 @@ def measure_launch(hosts: list[str], ssh_flags: list[str], interfaces: str | Non
         stderr = err.read()
     row: dict[str, Any] = {
         "hosts": len(hosts), "ranks": n, "startup_s": startup, "launcher_threads": threads,
-        "ssh_clients": ssh, "launcher_cpu_s": launcher_cpu, "exit_s": exit_s, "ranks_seen": len(seen),
+        "ssh_clients": ssh, "launcher_cpu_s": launcher_cpu,
+        # the machine's busy CPU seconds over the start-up over its length: how many cores it kept busy
+        "startup_cores_busy": (sum(machine.values()) - machine["idle"] - machine["iowait"]) / startup,
+        "exit_s": exit_s, "ranks_seen": len(seen),
         "exit_code": code}
     if kill_rank >= 0:
         line = seen.get(f"[{kill_rank}]", "")
@@ -156,6 +164,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "launcher_threads": max(r["launcher_threads"] for r in mine),
             "ssh_clients": max(r["ssh_clients"] for r in mine),
             "launcher_cpu_s": statistics.median(r["launcher_cpu_s"] for r in mine),
+            "startup_cores_busy": statistics.median(r["startup_cores_busy"] for r in mine),
             "exit_best_s": min(exits), "exit_median_s": statistics.median(exits),
             "all_ok": all(r["exit_code"] == 0 and r["ranks_seen"] == r["ranks"] for r in mine)})
     return table
@@ -209,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"runs": rows, "summary": summary, "failures": failures}, indent=1))
         return 0
     print(format_table(summary, ("hosts", "ranks", "runs", "startup_best_s", "startup_median_s",
-                                 "launcher_threads", "ssh_clients", "launcher_cpu_s", "exit_best_s",
+                                 "launcher_threads", "ssh_clients", "launcher_cpu_s", "startup_cores_busy",
+                                 "exit_best_s",
                                  "exit_median_s", "all_ok")))
     for row in failures:
         print(f"rank {row['kill_rank']} on {row['killed_on']} SIGKILLed: hora run exited "
