@@ -1,6 +1,7 @@
 """Shared memory's out-of-place allreduce (the public API's path for lone tensors): the same bits as
 the in-segment allreduce, in place and out of place, across the pipeline's chunks and the segment
-limit's windows, for 2 and 3 ranks (3: the summation order is not commutative-safe)."""
+limit's windows, for 2 and 3 ranks (3: the summation order is not commutative-safe); with a
+postscale, the bits of reducing and then scaling."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ DTYPES = ("float32", "float16", "float64", "int64")
 def _worker() -> list[Any]:
     from hora.runtime import connect_world
     from hora.transport.base import ReduceOp
+    from hora.transport.reduce import scale_into
 
     comm = connect_world("shm")
     bad: list[Any] = []
@@ -39,6 +41,18 @@ def _worker() -> list[Any]:
                     for label, got in (("out", out), ("inplace", inplace)):
                         if got.tobytes() != ref.tobytes():
                             bad.append((comm.rank, n, name, op.name, label))
+                # Average's division folded into the copy out: the bits of reducing, then scaling.
+                for factor in (1 / comm.size, 0.37):
+                    ref = x.copy()
+                    comm.allreduce(ref, ReduceOp.SUM)
+                    scale_into(ref, factor, ref)
+                    out = np.full_like(x, 3)
+                    comm.allreduce_into(x, out, ReduceOp.SUM, factor)
+                    inplace = x.copy()
+                    comm.allreduce_into(inplace, inplace, ReduceOp.SUM, factor)
+                    for label, got in (("out", out), ("inplace", inplace)):
+                        if got.tobytes() != ref.tobytes():
+                            bad.append((comm.rank, n, name, f"scaled {factor:g}", label))
         x = np.arange(10, dtype=np.float32)
         with pytest.raises(ValueError, match="output must match"):
             comm.allreduce_into(x, np.empty(9, np.float32))

@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-import ml_dtypes
 import numpy as np
 
 from hora.engine import adasum
@@ -19,6 +18,7 @@ from hora.engine.coordinator import Response
 from hora.engine.request import Kind, Request, Signature
 from hora.engine.timeline import Timeline
 from hora.transport.base import Communicator, ReduceOp
+from hora.transport.reduce import scale_into
 
 # Enum members looked up once (attribute access on an Enum class is slow; these run per tensor or cycle).
 _AVERAGE, _SUM, _ADASUM = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
@@ -109,24 +109,9 @@ def _transport_op(sig: Signature) -> ReduceOp:
     return _SUM if sig.op is _AVERAGE else sig.op
 
 
-_HALF_WIDTH = frozenset((np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)))
-
-
 def _scale(buf: np.ndarray, factor: float) -> None:
-    """Multiply ``buf`` by ``factor`` in place, element by element, as Horovod's CPU ops do, so that
-    a migrated script gets the same bits: float32 and float64 in their own precision (the factor
-    rounded to the dtype first); float16 (and bfloat16) through float32, the product rounded back
-    once; integers (and bools) in float64, truncated toward zero.
-    """
-    if factor == 1.0 or buf.size == 0:
-        return
-    dtype = buf.dtype
-    if dtype.kind in "iub":
-        buf[...] = (buf.astype(np.float64) * factor).astype(dtype)
-    elif dtype in _HALF_WIDTH:
-        buf[...] = np.multiply(buf, np.float32(factor), dtype=np.float32)
-    else:
-        np.multiply(buf, dtype.type(factor), out=buf)
+    """Multiply ``buf`` by ``factor`` in place, with Horovod's rounding (see :func:`scale_into`)."""
+    scale_into(buf, factor, buf)
 
 
 def _postscale(sig: Signature, size: int) -> float:
@@ -154,7 +139,7 @@ class Executor:
         self._allocate = comm.allocate if comm.allocates_own_memory else None
         self._staged_min_bytes = comm.staged_min_bytes
         #: The transport's out-of-place allreduce (shared memory offers one), for lone tensors.
-        self._into: Callable[[np.ndarray, np.ndarray, ReduceOp], None] | None = (
+        self._into: Callable[[np.ndarray, np.ndarray, ReduceOp, float], None] | None = (
             comm.allreduce_into if comm.reduces_into else None)
         #: Called with a bucket's items just before their handles complete (the engine's bookkeeping
         #: must be done by then: a caller may resubmit the same name the moment its handle is done).
@@ -314,8 +299,8 @@ class Executor:
             item = items[0]
             out = self._output_of(item, dtype)
             src = item.request.buffer if item.request is not None else out  # joined: zeros
-            self._transport(items, lambda: self._into(src.reshape(-1), out.reshape(-1), op))
-            _scale(out, post)
+            # Average's division (any postscale) rides on the transport's copy out.
+            self._transport(items, lambda: self._into(src.reshape(-1), out.reshape(-1), op, post))
             self._complete(item, out)
             return
         if len(items) == 1 and not self._stages(sig.nbytes()):
@@ -347,9 +332,12 @@ class Executor:
         self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
         self._transport(items, lambda: self._reduce(fused, op, counts))
         self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", True)
-        _scale(fused, post)
+        # The postscale (Average's division) is applied while copying out, not as a pass of its own.
         # Small buckets: one new array for every result that has no place of its own yet.
-        shared = fused.copy() if fused.nbytes <= _SHARED_RESULT_BYTES else None
+        shared = None
+        if fused.nbytes <= _SHARED_RESULT_BYTES:
+            shared = np.empty_like(fused)
+            scale_into(fused, post, shared)
         offset = 0
         for item, count in zip(items, counts):
             request = item.request
@@ -360,7 +348,7 @@ class Executor:
                     request.output = out
                 else:
                     out = self._output_of(item, dtype)
-                    out.reshape(-1)[...] = fused[offset:end]
+                    scale_into(fused[offset:end], post, out.reshape(-1))
                 self._complete(item, out)
             offset += count
         self._activity(items, "MEMCPY_OUT_FUSION_BUFFER", False)

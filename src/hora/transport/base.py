@@ -116,11 +116,16 @@ class Communicator(abc.ABC):
     #: tensors to it instead of staging them.
     reduces_into: bool = False
 
-    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
-        """:meth:`allreduce` out of place: ``dst`` (``src`` itself for in place) receives the result."""
+    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM,
+                       postscale: float = 1.0) -> None:
+        """:meth:`allreduce` out of place: ``dst`` (``src`` itself for in place) receives the result,
+        multiplied by ``postscale`` with Horovod's rounding (:func:`hora.transport.reduce.scale_into`)."""
+        from hora.transport.reduce import scale_into  # reduce imports this module
+
         if dst is not src:
             dst[...] = src
         self.allreduce(dst, op)
+        scale_into(dst, postscale, dst)
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` that collectives on this communicator move fastest.

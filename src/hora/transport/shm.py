@@ -37,7 +37,7 @@ from hora.transport.base import (
 )
 from hora.transport.guard import CollectiveGuard
 from hora.transport.layout import count_offsets, split_offsets
-from hora.transport.reduce import check_op, reduction_ufunc
+from hora.transport.reduce import check_op, reduction_ufunc, scale_into
 from hora.transport.shm_segment import SMALL_BYTES, Segment
 from hora.transport.tcp import TcpCommunicator
 from hora.transport.tcp_mesh import local_machine_id
@@ -295,14 +295,16 @@ class ShmCommunicator(MemberCommunicator):
                 self._own.data[: chunk.nbytes].view(flat.dtype)[...] = chunk
                 self._allreduce_staged(self._own.data[: chunk.nbytes].view(flat.dtype), op, 0, out=chunk)
 
-    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM) -> None:
+    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM,
+                       postscale: float = 1.0) -> None:
         """Out-of-place allreduce from a caller's own memory: ``dst`` receives the reduction of every
         rank's ``src`` (``dst`` may be ``src``: in place). Same bits as :meth:`allreduce`.
 
         One copy in and one copy out: each rank copies into its segment only the shares its peers
         reduce, reduces its own share reading its part straight from ``src``, and copies the
         finished shares into ``dst``. Large buffers go in pipelined chunks, so one rank's copy of
-        chunk k+1 overlaps the other's reduction of chunk k.
+        chunk k+1 overlaps the other's reduction of chunk k. ``postscale`` (Average's division) is
+        applied in the copy out, not in a pass of its own.
         """
         self._check_open("allreduce")
         check_buffer(src)
@@ -314,17 +316,19 @@ class ShmCommunicator(MemberCommunicator):
         if self.size == 1 or sflat.size == 0:
             if dflat is not sflat and not np.shares_memory(dflat, sflat):
                 dflat[...] = sflat
+            scale_into(dflat, postscale, dflat)
             return
         with self._guard("allreduce", sflat.dtype):
             if sflat.nbytes <= SMALL_BYTES:
                 self._allreduce_small(sflat, op, dflat)
+                scale_into(dflat, postscale, dflat)
                 return
             fits = self._ensure(sflat.nbytes)
             step = sflat.size if fits else max(1, self._own.capacity // sflat.itemsize)
             for lo in range(0, sflat.size, step):
-                self._allreduce_pipelined(sflat[lo : lo + step], dflat[lo : lo + step], op)
+                self._allreduce_pipelined(sflat[lo : lo + step], dflat[lo : lo + step], op, postscale)
 
-    def _allreduce_pipelined(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
+    def _allreduce_pipelined(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp, postscale: float) -> None:
         """:meth:`allreduce_into` on a window that fits the segments (see there).
 
         Every rank owns the elements it owns in :meth:`_allreduce_staged` and reduces them as it does
@@ -372,7 +376,7 @@ class ShmCommunicator(MemberCommunicator):
             self._wait_all(reduced[k])  # every share of chunk k is reduced
             for m, (lo, hi) in enumerate(shares[k]):
                 if hi > lo:
-                    dst[lo:hi] = (own if m == me else peers[m])[lo:hi]
+                    scale_into((own if m == me else peers[m])[lo:hi], postscale, dst[lo:hi])
 
         # Copy-in of chunk k+1 comes before the reduction of chunk k, so a fast rank's copy overlaps
         # a slow rank's reduction, and its copy-out of k-1 the peers' reductions of k.
