@@ -13,7 +13,8 @@ one 4-byte ``hora.allreduce``, prints one line and sleeps ``--sleep`` seconds. P
 - the launcher's threads (/proc/PID/task) and its ssh client processes (children named after the
   ssh program) while every rank runs, the launcher's own CPU seconds up to then, and how many of
   the machine's cores were busy over the start-up (all processes, /proc/stat; near the core count
-  means the start-up was CPU-bound);
+  means the start-up was CPU-bound); from the ranks' lines, when the first and last rank's script
+  began, the median time to import hora and to ``hora.init()``, and the ranks' CPU seconds summed;
 - exit: launch until ``hora run`` returned (the sleep included).
 
 ``--failure`` adds, at the largest size, runs where rank ``--kill-rank`` (37) SIGKILLs itself right
@@ -49,14 +50,22 @@ sys.path.insert(0, str(HERE))
 from cluster_allreduce import _machine_cpu  # noqa: E402
 from scaling_one_host import format_table, threads_of, wait_for_rank_lines  # noqa: E402
 
-# argv[1]: the rank that kills itself (-1: none); argv[2]: seconds to sleep after the line.
+# argv[1]: the rank that kills itself (-1: none); argv[2]: seconds to sleep after the line. The line
+# says when the interpreter began the script, had imported hora, was initialised and had done the
+# allreduce, the rank's CPU seconds so far, and (last) when it printed.
 WORKER = (
-    "import os, signal, sys, time\n"
+    "import os, resource, signal, sys, time\n"
+    "t0 = time.time()\n"
     "import numpy as np\n"
     "import hora\n"
+    "t1 = time.time()\n"
     "hora.init()\n"
+    "t2 = time.time()\n"
     "hora.allreduce(np.ones(1, np.float32), name='launch.probe')\n"
-    "print('up', hora.rank(), os.environ.get('HORA_HOSTNAME', ''), repr(time.time()), flush=True)\n"
+    "t3 = time.time()\n"
+    "use = resource.getrusage(resource.RUSAGE_SELF)\n"
+    "print('up', hora.rank(), *map(repr, (t0, t1, t2, t3, use.ru_utime + use.ru_stime, time.time())),\n"
+    "      flush=True)\n"
     "if hora.rank() == int(sys.argv[1]):\n"
     "    os.kill(os.getpid(), signal.SIGKILL)\n"
     "time.sleep(float(sys.argv[2]))\n"
@@ -110,7 +119,7 @@ def measure_launch(hosts: list[str], ssh_flags: list[str], interfaces: str | Non
     ssh_program = os.path.basename((env.get("HORA_SSH_COMMAND") or "ssh").split()[0])
     with tempfile.TemporaryFile("w+") as err:
         machine_before = _machine_cpu()
-        launched = time.perf_counter()
+        launched, launched_wall = time.perf_counter(), time.time()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
                                 cwd=str(REPO))
         watchdog = threading.Timer(timeout, proc.kill)  # its ssh clients die with it (PDEATHSIG)
@@ -139,6 +148,17 @@ def measure_launch(hosts: list[str], ssh_flags: list[str], interfaces: str | Non
         "startup_cores_busy": (sum(machine.values()) - machine["idle"] - machine["iowait"]) / startup,
         "exit_s": exit_s, "ranks_seen": len(seen),
         "exit_code": code}
+    stamps = [[float(w) for w in line.split(MARKER, 1)[1].split()[1:]] for line in seen.values()]
+    if stamps:
+        row.update({
+            # launch until the first and the last rank's interpreter began running the script
+            "first_rank_started_s": min(t[0] for t in stamps) - launched_wall,
+            "last_rank_started_s": max(t[0] for t in stamps) - launched_wall,
+            "import_s_median": statistics.median(t[1] - t[0] for t in stamps),
+            "init_s_median": statistics.median(t[2] - t[1] for t in stamps),
+            "init_s_max": max(t[2] - t[1] for t in stamps),
+            "allreduce_s_max": max(t[3] - t[2] for t in stamps),
+            "ranks_cpu_s": sum(t[4] for t in stamps)})
     if kill_rank >= 0:
         line = seen.get(f"[{kill_rank}]", "")
         words = line.split(MARKER, 1)[1].split() if line else []
@@ -165,6 +185,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "ssh_clients": max(r["ssh_clients"] for r in mine),
             "launcher_cpu_s": statistics.median(r["launcher_cpu_s"] for r in mine),
             "startup_cores_busy": statistics.median(r["startup_cores_busy"] for r in mine),
+            "last_rank_started_median_s": statistics.median(r["last_rank_started_s"] for r in mine),
+            "ranks_cpu_median_s": statistics.median(r["ranks_cpu_s"] for r in mine),
             "exit_best_s": min(exits), "exit_median_s": statistics.median(exits),
             "all_ok": all(r["exit_code"] == 0 and r["ranks_seen"] == r["ranks"] for r in mine)})
     return table
@@ -219,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(format_table(summary, ("hosts", "ranks", "runs", "startup_best_s", "startup_median_s",
                                  "launcher_threads", "ssh_clients", "launcher_cpu_s", "startup_cores_busy",
-                                 "exit_best_s",
+                                 "last_rank_started_median_s", "ranks_cpu_median_s", "exit_best_s",
                                  "exit_median_s", "all_ok")))
     for row in failures:
         print(f"rank {row['kill_rank']} on {row['killed_on']} SIGKILLed: hora run exited "
