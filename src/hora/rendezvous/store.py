@@ -4,6 +4,12 @@ Kept apart from the network code so the launcher can read and write it directly 
 and so blocking semantics (wait for a key, first-writer-wins) and rendezvous rounds are tested without
 sockets. The table also keeps the job's rounds (:mod:`hora.rendezvous.rounds`): which round is
 current, who joined each, and it refuses keys of rounds older than the current one.
+
+Blocking reads wait on the table's condition, which suits a thread per caller. The rendezvous
+server instead serves every connection from one selector thread that must never block: it asks
+with timeout 0 and registers a change listener (:meth:`KeyValueStore.add_listener`), called after
+every mutation from whichever thread made it (the launcher writes here directly), to learn when a
+parked request may have become answerable.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hora.errors import RendezvousError
 from hora.rendezvous.rounds import (
@@ -46,6 +52,30 @@ class KeyValueStore:
         # (their joins are refused), so whoever waits on their keys is told at once instead of
         # waiting for a world that will not form.
         self._abandoned: set[int] = set()
+        self._listeners: list[Callable[[], None]] = []
+
+    # ---- change listeners ------------------------------------------------------------------------
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every mutation (keys or rounds), on the mutating thread.
+
+        Called outside the table's lock, so it may read the table; it must be quick and must not
+        raise (it runs inside the writer's call). It says only that something changed, not what.
+        """
+        with self._changed:
+            self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        with self._changed:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+    def _notify(self) -> None:
+        """Tell the listeners that the table changed (caller does not hold the lock)."""
+        with self._changed:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback()
 
     # ---- keys ------------------------------------------------------------------------------------
 
@@ -60,15 +90,20 @@ class KeyValueStore:
             self._check_key(key)
             self._data[key] = bytes(value)
             self._changed.notify_all()
+        self._notify()
 
     def set_if_absent(self, key: str, value: bytes) -> bytes:
         """Store ``value`` unless the key exists; return what the key holds afterwards."""
         with self._changed:
             self._check_key(key)
-            if key not in self._data:
+            added = key not in self._data
+            if added:
                 self._data[key] = bytes(value)
                 self._changed.notify_all()
-            return self._data[key]
+            held = self._data[key]
+        if added:
+            self._notify()
+        return held
 
     def add(self, key: str, delta: int) -> int:
         """Atomically add to an integer counter (created at 0) and return the new value."""
@@ -81,19 +116,25 @@ class KeyValueStore:
                 raise RendezvousError(f"key {key!r} holds {held[:32]!r}, not an integer counter") from None
             self._data[key] = str(value).encode()
             self._changed.notify_all()
-            return value
+        self._notify()
+        return value
 
     def delete(self, key: str) -> bool:
         with self._changed:
             self._check_key(key)
-            return self._data.pop(key, None) is not None
+            deleted = self._data.pop(key, None) is not None
+        if deleted:
+            self._notify()
+        return deleted
 
     def delete_prefix(self, prefix: str) -> int:
         with self._changed:
             doomed = [k for k in self._data if k.startswith(prefix)]
             for k in doomed:
                 del self._data[k]
-            return len(doomed)
+        if doomed:
+            self._notify()
+        return len(doomed)
 
     def keys(self, prefix: str = "") -> list[str]:
         with self._changed:
@@ -169,7 +210,8 @@ class KeyValueStore:
             self._current = opened.generation
             self._rounds[opened.generation] = opened
             self._changed.notify_all()
-            return opened
+        self._notify()
+        return opened
 
     def get_round(self, generation: int | None = None) -> Round | None:
         """A round by generation (default: the current one); None if it was never opened or is gone."""
@@ -218,4 +260,5 @@ class KeyValueStore:
                 for key in [k for k in self._data if _older(k, generation)]:
                     del self._data[key]
             self._changed.notify_all()
-            return joined
+        self._notify()
+        return joined

@@ -2,7 +2,9 @@
 
 Every hora control connection (rendezvous, peer handshakes) speaks in frames: a 4-byte big-endian
 length and that many bytes. A frame larger than ``max_bytes`` is refused before anything is
-allocated, so a stranger cannot make a process reserve gigabytes by sending a length.
+allocated, so a stranger cannot make a process reserve gigabytes by sending a length. The blocking
+helpers serve clients and peer handshakes; ``frame_prefix`` and ``frame_length`` let a non-blocking
+reader (the rendezvous server's selector loop) build and parse the same frames in its own buffers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import struct
 from hora.errors import RendezvousError
 
 _LEN = struct.Struct("!I")
+LENGTH_BYTES = _LEN.size
 DEFAULT_MAX_FRAME = 512 * 1024 * 1024
 
 
@@ -33,8 +36,18 @@ def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(buf)
 
 
+def frame_prefix(length: int) -> bytes:
+    """The length prefix of a frame of ``length`` bytes."""
+    return _LEN.pack(length)
+
+
+def frame_length(buf: bytes | bytearray, offset: int = 0) -> int:
+    """The length a frame prefix at ``buf[offset:]`` announces (``LENGTH_BYTES`` must be there)."""
+    return _LEN.unpack_from(buf, offset)[0]
+
+
 def send_frame(sock: socket.socket, payload: bytes) -> None:
-    header = _LEN.pack(len(payload))
+    header = frame_prefix(len(payload))
     if len(payload) < 65536:
         sock.sendall(header + payload)  # one segment for small control messages
     else:
@@ -43,7 +56,7 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
 
 
 def recv_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME) -> bytes:
-    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    length = frame_length(recv_exact(sock, LENGTH_BYTES))
     if length > max_bytes:
         raise RendezvousError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
     return recv_exact(sock, length) if length else b""
