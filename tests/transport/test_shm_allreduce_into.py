@@ -19,7 +19,7 @@ DTYPES = ("float32", "float16", "float64", "int64")
 def _worker() -> list[Any]:
     from hora.runtime import connect_world
     from hora.transport.base import ReduceOp
-    from hora.transport.reduce import scale_into
+    from hora.transport.scaling import scale_into
 
     comm = connect_world("shm")
     bad: list[Any] = []

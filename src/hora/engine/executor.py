@@ -18,7 +18,7 @@ from hora.engine.coordinator import Response
 from hora.engine.request import Kind, Request, Signature
 from hora.engine.timeline import Timeline
 from hora.transport.base import Communicator, ReduceOp
-from hora.transport.reduce import scale_into
+from hora.transport.scaling import scale_into
 
 # Enum members looked up once (attribute access on an Enum class is slow; these run per tensor or cycle).
 _AVERAGE, _SUM, _ADASUM = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM

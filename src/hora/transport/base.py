@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from hora.errors import HoraError
+from hora.transport.scaling import scale_into
 
 
 class ReduceOp(enum.IntEnum):
@@ -119,9 +120,7 @@ class Communicator(abc.ABC):
     def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp = ReduceOp.SUM,
                        postscale: float = 1.0) -> None:
         """:meth:`allreduce` out of place: ``dst`` (``src`` itself for in place) receives the result,
-        multiplied by ``postscale`` with Horovod's rounding (:func:`hora.transport.reduce.scale_into`)."""
-        from hora.transport.reduce import scale_into  # reduce imports this module
-
+        multiplied by ``postscale`` with Horovod's rounding (:func:`hora.transport.scaling.scale_into`)."""
         if dst is not src:
             dst[...] = src
         self.allreduce(dst, op)

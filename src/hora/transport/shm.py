@@ -37,7 +37,8 @@ from hora.transport.base import (
 )
 from hora.transport.guard import CollectiveGuard
 from hora.transport.layout import count_offsets, split_offsets
-from hora.transport.reduce import check_op, reduction_ufunc, scale_into
+from hora.transport.reduce import check_op, reduction_ufunc
+from hora.transport.scaling import scale_into
 from hora.transport.shm_segment import SMALL_BYTES, Segment
 from hora.transport.tcp import TcpCommunicator
 from hora.transport.tcp_mesh import local_machine_id
