@@ -35,6 +35,23 @@ def test_bench_api_rows(api: str) -> None:
         assert row["time_us"] == pytest.approx(max(row["per_rank_time_us"])), row
         assert math.isclose(row["busbw"], row["size"] / row["time_us"] / 1e3 * bus_factor("allreduce", 2),
                             rel_tol=1e-6), row
+        # After the warm-up the cache serves them (an idle round of the coordinator may still fall among them).
+        assert row["named"] and row["negotiations"] < 1, row
+
+
+@pytest.mark.timeout(120)
+def test_bench_api_unnamed_calls_are_negotiated_every_time() -> None:
+    proc = _bench("--api", "numpy", *TINY[:6], "-e", "256", "-f", "64", "--iters", "4", "--warmup", "1", "--unnamed",
+                  "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in ("allreduce", "allreduce_") for s in (4, 256)]
+    for row in rows:
+        assert not row["named"] and row["negotiations"] >= 1, row
+    table = _bench("--api", "numpy", *TINY[:6], "-e", "4", "--iters", "2", "--warmup", "0", "--unnamed")
+    assert table.returncode == 0 and "unnamed calls" in table.stdout, table.stderr + table.stdout
+    refused = _bench("--unnamed", "-e", "4")
+    assert refused.returncode == 2 and "--unnamed needs --api" in refused.stderr, refused.stderr
 
 
 @pytest.mark.timeout(120)

@@ -125,6 +125,41 @@ def test_process_set_changes_carry_their_own_fields_and_are_never_cached():
     assert response.error is None and not response.cacheable and response.fusion_key is None
 
 
+def test_signatures_and_responses_pickle_as_their_fields_and_come_back_interned():
+    import pickle
+
+    sig = signature(Kind.ALLREDUCE, "float16", (4, 5), ReduceOp.MAX, prescale=0.5, postscale=2.0, group="g",
+                    group_size=3, device="cuda")
+    sig.count, sig.np_dtype, sig._key  # cached properties: they must not travel
+    back = pickle.loads(pickle.dumps(sig, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back is sig
+    a2a = signature(Kind.ALLTOALL, "int64", (6, 2), root=-1, splits=(2, 4))
+    assert pickle.loads(pickle.dumps(a2a)) is a2a
+    for ps in (process_set_signature(ranks=(0, 2)), process_set_signature(set_id=3)):
+        got = pickle.loads(pickle.dumps(ps))
+        assert got == ps and (got.set_ranks, got.set_id) == (ps.set_ranks, ps.set_id)
+    response = Response("t", sig, error="boom", rows=(1, 2), splits=((1,), (2,)), joined=(1,), last_joined=1)
+    response.cacheable  # cached: must not travel
+    got = pickle.loads(pickle.dumps(response))
+    assert got == response and got.signature is sig and "cacheable" not in vars(got)
+    assert len(pickle.dumps(response)) < 400
+
+
+def test_coordinator_fast_agreement_still_catches_every_mismatch_after_pickling():
+    import pickle
+
+    c = Coordinator([0, 1])
+    same = pickle.loads(pickle.dumps(ar((2, 3))))
+    c.submit(0, [("t", ar((2, 3)))])
+    c.submit(1, [("t", same)])
+    [ok] = c.ready()
+    assert ok.error is None
+    c.submit(0, [("u", ar((2, 3)))])
+    c.submit(1, [("u", pickle.loads(pickle.dumps(ar((2, 4)))))])
+    [bad] = c.ready()
+    assert "shapes" in bad.error
+
+
 @pytest.mark.parametrize("what", sorted(MISMATCHES))
 def test_coordinator_mismatch_names_ranks_and_values(what):
     first, second, values = MISMATCHES[what]

@@ -24,15 +24,17 @@ API_SUBJECTS = {"numpy": "NumPy arrays", "torch": "CPU torch tensors",
 API_OPS: tuple[str, ...] = ("allreduce", "allreduce_")
 
 
-def _calls(api: str, count: int, dtype: np.dtype, name: str) -> dict[str, Callable[[], Any]]:
+def _calls(api: str, count: int, dtype: np.dtype, base: str | None) -> dict[str, Callable[[], Any]]:
     """The out-of-place and in-place calls on one buffer of ``count`` elements (summed, as the
-    other libraries in benchmarks/compare_allreduce.py do)."""
+    other libraries in benchmarks/compare_allreduce.py do), named after ``base`` (None: unnamed)."""
+    name = base
+    in_place = None if base is None else base + "_"
     if api == "numpy":
         import hora
 
         buf = np.zeros(count, dtype=dtype)
         return {"allreduce": lambda: hora.allreduce(buf, name=name, op=hora.Sum),
-                "allreduce_": lambda: hora.allreduce_(buf, name=name + "_", op=hora.Sum)}
+                "allreduce_": lambda: hora.allreduce_(buf, name=in_place, op=hora.Sum)}
     if api == "torch":
         import torch
 
@@ -42,7 +44,7 @@ def _calls(api: str, count: int, dtype: np.dtype, name: str) -> dict[str, Callab
         tensor = from_array(np.zeros(count, dtype=dtype))
         assert isinstance(tensor, torch.Tensor)
         return {"allreduce": lambda: hvd.allreduce(tensor, name=name, op=hvd.Sum),
-                "allreduce_": lambda: hvd.allreduce_(tensor, name=name + "_", op=hvd.Sum)}
+                "allreduce_": lambda: hvd.allreduce_(tensor, name=in_place, op=hvd.Sum)}
     if api == "torch-cuda":
         import torch
 
@@ -57,7 +59,7 @@ def _calls(api: str, count: int, dtype: np.dtype, name: str) -> dict[str, Callab
             return lambda: (call(), torch.cuda.synchronize(device))
 
         return {"allreduce": synced(lambda: hvd.allreduce(tensor, name=name, op=hvd.Sum)),
-                "allreduce_": synced(lambda: hvd.allreduce_(tensor, name=name + "_", op=hvd.Sum))}
+                "allreduce_": synced(lambda: hvd.allreduce_(tensor, name=in_place, op=hvd.Sum))}
     raise ValueError(f"unknown API {api!r}; choose from {', '.join(APIS)}")
 
 
@@ -88,7 +90,11 @@ def measure_api(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
 
     dtype = parse_dtype(spec.dtype)
     size, rank = hora.size(), hora.rank()
+    from hora.basics import engine as current_engine
+
+    engine = current_engine()
     rows: list[BenchRow] = []
+    negotiated: list[float] = []
     ops = [op for op in API_OPS if op in spec.ops or op.rstrip("_") in spec.ops]
     for op in ops:
         factor = bus_factor("allreduce", size)
@@ -100,12 +106,28 @@ def measure_api(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
                 continue
             done.add(nbytes)
             iters, warmup = iteration_plan(nbytes, spec.iters, spec.warmup, spec.budget_bytes)
-            call = _calls(api, count, dtype, f"bench.{api}.{nbytes}")[op]
-            times = time_calls(call, iters, warmup, hora.barrier, hora.allgather_object)
+            call = _calls(api, count, dtype, None if spec.unnamed else f"bench.{api}.{nbytes}")[op]
+            marks: list[int] = []  # name-negotiation rounds when the timed calls start and end
+
+            def barrier() -> None:
+                hora.barrier()
+                marks.append(engine.negotiation_rounds)
+
+            def gather(mean: float) -> list[float]:
+                marks.append(engine.negotiation_rounds)
+                return hora.allgather_object(mean)
+
+            times = time_calls(call, iters, warmup, barrier, gather)
+            negotiated.append((marks[1] - marks[0]) / iters)
             del call
             assert times is not None
             rows.append(timed_row(op, nbytes, count, dtype, times, factor, iters, size, spec.transport))
-    return [dict(row.as_dict(), api=api) for row in rows] if rank == 0 else None
+    if rank != 0:
+        return None
+    # negotiations: name-negotiation rounds per timed call on rank 0 (0 when the response cache serves
+    # the calls; at least 1 for unnamed ones).
+    return [dict(row.as_dict(), api=api, named=not spec.unnamed, negotiations=round(rounds, 3))
+            for row, rounds in zip(rows, negotiated)]
 
 
 def run_api_job(spec: BenchSpec, api: str, np: int, env: dict[str, str] | None = None) -> list[dict[str, Any]]:

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "collective) or the public allreduce/allreduce_ on NumPy arrays (numpy), CPU "
                              "torch tensors (torch) or CUDA torch tensors (torch-cuda: NCCL's busbw on a GPU "
                              "machine), through the engine")
+    parser.add_argument("--unnamed", action="store_true",
+                        help="with --api: call without a name, as scripts averaging a metric do (each call is "
+                             "then negotiated by name; named calls are served by the response cache)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of row objects instead of tables")
     return parser
 
@@ -109,8 +112,10 @@ def spec_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     try:
         parse_dtype(args.dtype)
         sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor)
+        if args.unnamed and args.api == "transport":
+            raise ValueError("--unnamed needs --api numpy|torch|torch-cuda (the transport sweep has no names)")
         return BenchSpec(sizes=tuple(sizes), ops=tuple(args.ops), dtype=args.dtype, iters=args.iters,
-                         warmup=args.warmup, transport=args.transport)
+                         warmup=args.warmup, transport=args.transport, unnamed=args.unnamed)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -120,6 +125,8 @@ def format_tables(rows: Sequence[dict[str, Any]], spec: BenchSpec, api: str = "t
     """One nccl-tests style table per collective."""
     ranks = rows[0]["ranks"] if rows else "?"
     through = "" if api == "transport" else f", public API on {API_SUBJECTS[api]}"
+    if spec.unnamed:
+        through += ", unnamed calls"
     lines = [
         f"# hora bench: transport {spec.transport}{through}, {ranks} ranks, dtype {spec.dtype}",
         "# time: slowest rank's mean per call after warm-up; GB/s = 1e9 bytes/s;",

@@ -135,6 +135,9 @@ class BenchSpec:
     transport: str = "auto"
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     root: int = 0
+    #: ``--api`` only: call without a name, as scripts average a metric (every call is then negotiated
+    #: by name: an unnamed collective gets a fresh name each time, so the response cache cannot serve it).
+    unnamed: bool = False
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]

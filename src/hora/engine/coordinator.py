@@ -16,6 +16,9 @@ from hora.engine.request import PROCESS_SET_KINDS, Kind, Signature, signature
 
 
 _FUSIBLE = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST)
+#: Kinds whose agreement :meth:`Coordinator._disagreement` checks by comparing fields only (the others
+#: also check a field's value against the set: allgather's and alltoall's shapes, broadcast's root).
+_CHECKED_BY_FIELDS_ALONE = frozenset((Kind.ALLREDUCE, Kind.REDUCESCATTER, Kind.BARRIER, Kind.JOIN))
 
 
 @dataclass
@@ -29,6 +32,11 @@ class Response:
     splits: tuple[tuple[int, ...], ...] = ()  # alltoall: splits[i][j] = rows member i sends to j
     joined: tuple[int, ...] = ()  # members contributing zeros (allreduce after join)
     last_joined: int = -1  # join: the last member to join
+
+    def __reduce__(self) -> tuple:
+        # Every negotiation round pickles the plan: send the fields alone, not the cached properties.
+        return (Response, (self.name, self.signature, self.error, self.rows, self.splits, self.joined,
+                           self.last_joined))
 
     # Derived facts are cached: a cached response is executed again every step.
     @cached_property
@@ -167,6 +175,8 @@ class Coordinator:
     def _disagreement(self, name: str, sigs: dict[int, Signature]) -> str | None:
         members = sorted(sigs)
         ref = sigs[members[0]]
+        if ref.kind in _CHECKED_BY_FIELDS_ALONE and all(s is ref for s in sigs.values()):
+            return None  # one interned signature on every member: no field can differ
         kind = ref.kind.value
 
         def describe(field_name: str, value_of) -> str:

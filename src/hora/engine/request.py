@@ -79,6 +79,14 @@ class Signature:
     def __hash__(self) -> int:
         return hash(self._key)
 
+    def __reduce__(self) -> tuple:
+        # Negotiation pickles signatures every round. Only the fields travel (not the cached
+        # properties), as plain values, and the receiver gets the interned object back, so the
+        # coordinator's and the cache's comparisons stay identity checks.
+        return (_unpickle_signature, (self.kind.value, self.dtype, self.shape, int(self.op), self.root,
+                                      self.prescale, self.postscale, self.group, self.group_size, self.splits,
+                                      self.set_ranks, self.set_id, self.device))
+
     @cached_property
     def count(self) -> int:
         """Number of elements."""
@@ -112,6 +120,20 @@ def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: ReduceOp = Red
             _INTERNED.clear()
         sig = _INTERNED[key] = Signature(*key[:10], device=device)
     return sig
+
+
+_KINDS = {kind.value: kind for kind in Kind}
+_OPS = {int(op): op for op in ReduceOp}
+
+
+def _unpickle_signature(kind: str, dtype: str, shape: tuple[int, ...], op: int, root: int, prescale: float,
+                        postscale: float, group: str, group_size: int, splits: tuple[int, ...],
+                        set_ranks: tuple[int, ...], set_id: int, device: str) -> Signature:
+    if set_ranks or set_id >= 0:  # process-set changes are not interned (see process_set_signature)
+        return Signature(_KINDS[kind], dtype, shape, _OPS[op], root, prescale, postscale, group, group_size,
+                         splits, set_ranks, set_id, device)
+    return signature(_KINDS[kind], dtype, shape, _OPS[op], root, prescale, postscale, group, group_size, splits,
+                     device)
 
 
 def process_set_signature(ranks: tuple[int, ...] = (), set_id: int = -1) -> Signature:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import struct
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -54,6 +56,10 @@ _LIVENESS_EVERY_S = 0.05
 #: Chunk of :meth:`ShmCommunicator.allreduce_into`'s pipeline: small enough that a chunk copied in is
 #: still in cache when it is reduced, large enough that the per-chunk synchronisation is noise.
 _PIPELINE_BYTES = 2 * 1024 * 1024
+#: A pickled object in a small-message slot: its length (int64; -1: it did not fit), then its bytes.
+_OBJECT_HEADER = 8
+_OBJECT_ROOM = SMALL_BYTES - _OBJECT_HEADER
+_LENGTH = struct.Struct("<q")
 
 _T = TypeVar("_T")
 
@@ -80,7 +86,9 @@ class ShmCommunicator(MemberCommunicator):
         listen_host: str | None = None,
     ) -> None:
         self._segments: list[Segment] = []
-        self._slot_views: dict[tuple, list[np.ndarray]] = {}  # (parity, bytes, dtype) -> every rank's slot
+        #: Views into the small-message slots, made once: (parity, bytes, dtype) -> every rank's slot as an
+        #: array; ("object", member, parity) -> one slot as a memoryview.
+        self._slot_views: dict[tuple, Any] = {}
         # Same scope as this communicator: a failure seen on either is one record for every rank.
         self._mesh = TcpCommunicator(rank, members, store, scope, secret, timeout=timeout, listen_host=listen_host)
         self._members = [int(m) for m in members]
@@ -181,10 +189,10 @@ class ShmCommunicator(MemberCommunicator):
         finally:
             if mine is not None:
                 mine.unlink()  # every peer has mapped it (or the job is failing): leave nothing in /dev/shm
+        self._slot_views.clear()  # views into the old mappings: drop them before those close
         for old in self._segments:
             old.close()
         self._segments = segments
-        self._slot_views.clear()
         self._epoch = 0
         return want >= nbytes
 
@@ -521,12 +529,83 @@ class ShmCommunicator(MemberCommunicator):
         self._check_open("alltoall")
         self._via_mesh("alltoall", self._mesh.alltoall, send, send_counts, recv, recv_counts)
 
+    # ---- objects ------------------------------------------------------------------------------
+    # The engine exchanges objects on every negotiation (an uncached or unnamed collective). Through
+    # the small-message slots that costs one synchronisation, against a round of TCP messages and
+    # sender-thread hand-offs on the mesh. Objects that pickle larger than a slot go over the mesh;
+    # every rank sees every length after the synchronisation, so all of them take the same path.
+
+    def _object_slot(self, member: int, parity: int) -> memoryview:
+        key = ("object", member, parity)
+        view = self._slot_views.get(key)
+        if view is None:  # made once per mapping (remapping clears the views)
+            view = self._slot_views[key] = memoryview(self._segments[member].small[parity])
+        return view
+
+    def _post_object(self, payload: bytes | None) -> int:
+        """Put ``payload`` (None: nothing to say) into this rank's slot for the coming epoch; returns
+        the slot's parity. Alternating slots are safe for the reason given in :meth:`_allreduce_small`."""
+        parity = (self._epoch + 1) % 2
+        slot = self._object_slot(self._rank, parity)
+        if payload is not None and len(payload) <= _OBJECT_ROOM:
+            slot[_OBJECT_HEADER : _OBJECT_HEADER + len(payload)] = payload
+            _LENGTH.pack_into(slot, 0, len(payload))
+        else:
+            _LENGTH.pack_into(slot, 0, -1)
+        return parity
+
+    def _posted_length(self, member: int, parity: int) -> int:
+        return _LENGTH.unpack_from(self._object_slot(member, parity), 0)[0]
+
+    def _read_object(self, member: int, parity: int, length: int) -> Any:
+        return pickle.loads(self._object_slot(member, parity)[_OBJECT_HEADER : _OBJECT_HEADER + length])
+
+    def _exchange_objects(self, obj: Any, readers: int | None, what: str) -> list[Any] | None:
+        """Every rank posts ``obj``; the rank ``readers`` (None: every rank) reads all of them. None
+        when some rank's object did not fit its slot (then the caller goes over the mesh)."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._guard(what):
+            parity = self._post_object(payload)
+            self._sync()
+            n = self.size
+            lengths = [self._posted_length(m, parity) for m in range(n)]
+            if min(lengths) < 0:
+                return None
+            if readers is not None and readers != self._rank:
+                return []
+            return [obj if m == self._rank else self._read_object(m, parity, lengths[m]) for m in range(n)]
+
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         self._check_open("gather_object")
-        return self._via_mesh("gather_object", self._mesh.gather_object, obj, root)
+        check_root(root, self.size)
+        if self.size == 1:
+            return [obj]
+        out = self._exchange_objects(obj, root, "gather_object")
+        if out is None:
+            return self._via_mesh("gather_object", self._mesh.gather_object, obj, root)
+        return out if self._rank == root else None
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        self._check_open("allgather_object")
+        if self.size == 1:
+            return [obj]
+        out = self._exchange_objects(obj, None, "allgather_object")
+        if out is None:
+            return self._via_mesh("allgather_object", self._mesh.allgather_object, obj)
+        return out
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         self._check_open("broadcast_object")
+        check_root(root, self.size)
+        if self.size == 1:
+            return obj
+        with self._guard("broadcast_object"):
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self._rank == root else None
+            parity = self._post_object(payload)
+            self._sync()
+            length = self._posted_length(root, parity)
+            if length >= 0:
+                return obj if self._rank == root else self._read_object(root, parity, length)
         return self._via_mesh("broadcast_object", self._mesh.broadcast_object, obj, root)
 
     def close(self) -> None:
