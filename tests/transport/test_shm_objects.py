@@ -1,11 +1,12 @@
 """Shared memory's object collectives: small objects travel through the small-message slots (one
 synchronisation, no TCP), objects that do not fit go over the TCP mesh, and every rank takes the same
 path even when only one rank's object is too large. Interleaved with small allreduces, which use the
-same alternating slots."""
+same alternating slots. An object that cannot be pickled fails the call on every rank."""
 
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,24 @@ def _worker() -> list[str]:
         # After the mesh, the slots again.
         check("allgather after the mesh", comm.allgather_object(me), list(range(n)))
         via_mesh("allgather after the mesh", False)
+
+        # A rank whose object cannot be pickled: the call fails on every rank, the others naming it
+        # (never a stale object from the slot), and the communicator goes on.
+        for label, call, culprit in (("gather", lambda o: comm.gather_object(o, 0), 1),
+                                     ("allgather", comm.allgather_object, 1),
+                                     ("broadcast", lambda o: comm.broadcast_object(o, n - 1), n - 1)):
+            obj = threading.Lock() if me == culprit else ("fine", me)
+            try:
+                got = call(obj)
+                bad.append(f"rank {me}: {label} of an unpicklable object returned {got!r}")
+            except TypeError as exc:
+                if me != culprit or "pickle" not in str(exc):
+                    bad.append(f"rank {me}: {label}: {exc!r}")
+            except ValueError as exc:
+                if me == culprit or f"rank {culprit} could not pickle its object" not in str(exc):
+                    bad.append(f"rank {me}: {label}: {exc!r}")
+            check(f"allgather after the failed {label}", comm.allgather_object(me), list(range(n)))
+        via_mesh("unpicklable objects", False)
     finally:
         comm.close()
     return bad

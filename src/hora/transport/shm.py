@@ -56,8 +56,11 @@ _LIVENESS_EVERY_S = 0.05
 #: Chunk of :meth:`ShmCommunicator.allreduce_into`'s pipeline: small enough that a chunk copied in is
 #: still in cache when it is reduced, large enough that the per-chunk synchronisation is noise.
 _PIPELINE_BYTES = 2 * 1024 * 1024
-#: A pickled object in a small-message slot: its length (int64; -1: it did not fit), then its bytes.
+#: A pickled object in a small-message slot: its length (int64; _TOO_LARGE: it did not fit, it goes over
+#: the mesh; _UNPICKLABLE: pickling it failed on that rank), then its bytes.
 _OBJECT_HEADER = 8
+_TOO_LARGE = -1
+_UNPICKLABLE = -2
 _OBJECT_ROOM = SMALL_BYTES - _OBJECT_HEADER
 _LENGTH = struct.Struct("<q")
 
@@ -542,17 +545,35 @@ class ShmCommunicator(MemberCommunicator):
             view = self._slot_views[key] = memoryview(self._segments[member].small[parity])
         return view
 
-    def _post_object(self, payload: bytes | None) -> int:
-        """Put ``payload`` (None: nothing to say) into this rank's slot for the coming epoch; returns
-        the slot's parity. Alternating slots are safe for the reason given in :meth:`_allreduce_small`."""
+    def _post_object(self, payload: bytes | BaseException | None) -> int:
+        """Put ``payload`` into this rank's slot for the coming epoch (None: nothing to say; an
+        exception: pickling failed here, and the peers are told so rather than left reading what the
+        slot held before); returns the slot's parity. Alternating slots are safe for the reason given
+        in :meth:`_allreduce_small`."""
         parity = (self._epoch + 1) % 2
         slot = self._object_slot(self._rank, parity)
-        if payload is not None and len(payload) <= _OBJECT_ROOM:
+        if isinstance(payload, bytes) and len(payload) <= _OBJECT_ROOM:
             slot[_OBJECT_HEADER : _OBJECT_HEADER + len(payload)] = payload
             _LENGTH.pack_into(slot, 0, len(payload))
         else:
-            _LENGTH.pack_into(slot, 0, -1)
+            _LENGTH.pack_into(slot, 0, _UNPICKLABLE if isinstance(payload, BaseException) else _TOO_LARGE)
         return parity
+
+    def _check_picklable(self, what: str, payload: bytes | BaseException | None,
+                         lengths: Sequence[int], members: Sequence[int]) -> None:
+        """Every rank of the exchange fails alike when one of ``members`` could not pickle its object."""
+        if isinstance(payload, BaseException):
+            raise payload
+        bad = [self._members[m] for m in members if lengths[m] == _UNPICKLABLE]
+        if bad:
+            raise ValueError(f"rank {self.global_rank}: {what} failed: rank {bad[0]} could not pickle its object")
+
+    @staticmethod
+    def _pickled(obj: Any) -> bytes | BaseException:
+        try:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank after the synchronisation
+            return exc
 
     def _posted_length(self, member: int, parity: int) -> int:
         return _LENGTH.unpack_from(self._object_slot(member, parity), 0)[0]
@@ -563,13 +584,14 @@ class ShmCommunicator(MemberCommunicator):
     def _exchange_objects(self, obj: Any, readers: int | None, what: str) -> list[Any] | None:
         """Every rank posts ``obj``; the rank ``readers`` (None: every rank) reads all of them. None
         when some rank's object did not fit its slot (then the caller goes over the mesh)."""
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         with self._guard(what):
+            payload = self._pickled(obj)
             parity = self._post_object(payload)
             self._sync()
             n = self.size
             lengths = [self._posted_length(m, parity) for m in range(n)]
             if min(lengths) < 0:
+                self._check_picklable(what, payload, lengths, range(n))
                 return None
             if readers is not None and readers != self._rank:
                 return []
@@ -600,12 +622,15 @@ class ShmCommunicator(MemberCommunicator):
         if self.size == 1:
             return obj
         with self._guard("broadcast_object"):
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self._rank == root else None
+            payload = self._pickled(obj) if self._rank == root else None
             parity = self._post_object(payload)
             self._sync()
             length = self._posted_length(root, parity)
             if length >= 0:
                 return obj if self._rank == root else self._read_object(root, parity, length)
+            lengths = [_TOO_LARGE] * self.size
+            lengths[root] = length
+            self._check_picklable("broadcast_object", payload, lengths, [root])
         return self._via_mesh("broadcast_object", self._mesh.broadcast_object, obj, root)
 
     def close(self) -> None:
