@@ -24,11 +24,10 @@ API_SUBJECTS = {"numpy": "NumPy arrays", "torch": "CPU torch tensors",
 API_OPS: tuple[str, ...] = ("allreduce", "allreduce_")
 
 
-def _calls(api: str, count: int, dtype: np.dtype, base: str | None) -> dict[str, Callable[[], Any]]:
+def _calls(api: str, count: int, dtype: np.dtype, name: str | None) -> dict[str, Callable[[], Any]]:
     """The out-of-place and in-place calls on one buffer of ``count`` elements (summed, as the
-    other libraries in benchmarks/compare_allreduce.py do), named after ``base`` (None: unnamed)."""
-    name = base
-    in_place = None if base is None else base + "_"
+    other libraries in benchmarks/compare_allreduce.py do), named after ``name`` (None: unnamed)."""
+    in_place = None if name is None else name + "_"
     if api == "numpy":
         import hora
 

@@ -560,11 +560,12 @@ class ShmCommunicator(MemberCommunicator):
         return parity
 
     def _check_picklable(self, what: str, payload: bytes | BaseException | None,
-                         lengths: Sequence[int], members: Sequence[int]) -> None:
-        """Every rank of the exchange fails alike when one of ``members`` could not pickle its object."""
+                         posted: Sequence[tuple[int, int]]) -> None:
+        """Every rank of the exchange fails alike when a poster ((member, length) in ``posted``) could
+        not pickle its object: that rank with its own error, the others naming it."""
         if isinstance(payload, BaseException):
             raise payload
-        bad = [self._members[m] for m in members if lengths[m] == _UNPICKLABLE]
+        bad = [self._members[m] for m, length in posted if length == _UNPICKLABLE]
         if bad:
             raise ValueError(f"rank {self.global_rank}: {what} failed: rank {bad[0]} could not pickle its object")
 
@@ -591,7 +592,7 @@ class ShmCommunicator(MemberCommunicator):
             n = self.size
             lengths = [self._posted_length(m, parity) for m in range(n)]
             if min(lengths) < 0:
-                self._check_picklable(what, payload, lengths, range(n))
+                self._check_picklable(what, payload, list(enumerate(lengths)))
                 return None
             if readers is not None and readers != self._rank:
                 return []
@@ -628,9 +629,7 @@ class ShmCommunicator(MemberCommunicator):
             length = self._posted_length(root, parity)
             if length >= 0:
                 return obj if self._rank == root else self._read_object(root, parity, length)
-            lengths = [_TOO_LARGE] * self.size
-            lengths[root] = length
-            self._check_picklable("broadcast_object", payload, lengths, [root])
+            self._check_picklable("broadcast_object", payload, [(root, length)])
         return self._via_mesh("broadcast_object", self._mesh.broadcast_object, obj, root)
 
     def close(self) -> None:
