@@ -56,6 +56,8 @@ _LIVENESS_EVERY_S = 0.05
 #: Chunk of :meth:`ShmCommunicator.allreduce_into`'s pipeline: small enough that a chunk copied in is
 #: still in cache when it is reduced, large enough that the per-chunk synchronisation is noise.
 _PIPELINE_BYTES = 2 * 1024 * 1024
+#: Chunks that pipeline's ring holds in each segment (at least 3: see there).
+_PIPELINE_RING = 6
 #: A pickled object in a small-message slot: its length (int64; _TOO_LARGE: it did not fit, it goes over
 #: the mesh; _UNPICKLABLE: pickling it failed on that rank), then its bytes.
 _OBJECT_HEADER = 8
@@ -357,17 +359,33 @@ class ShmCommunicator(MemberCommunicator):
         bounds = split_offsets(src.size, n)
         piece = max(1, _PIPELINE_BYTES // (itemsize * n))
         longest = max(bounds[m + 1] - bounds[m] for m in range(n))
+        chunks = max(1, -(-longest // piece))
         shares = [[(min(bounds[m] + k * piece, bounds[m + 1]), min(bounds[m] + (k + 1) * piece, bounds[m + 1]))
-                   for m in range(n)] for k in range(max(1, -(-longest // piece)))]
-        own = self._own.data[: src.nbytes].view(src.dtype)
-        peers = [None if m == me else seg.data[: src.nbytes].view(src.dtype) for m, seg in enumerate(self._segments)]
+                   for m in range(n)] for k in range(chunks)]
+        # A long pipeline keeps chunk k in ring slot k % ring of the segments (rank m's piece at
+        # m * piece), not at its offset in the tensor: the few slots in use stay in cache, where a
+        # tensor-sized window would stream every byte through memory twice more (in place at 64 MiB,
+        # a third of the time). The ring takes less room than the window, which fits the segments.
+        wraps = chunks > _PIPELINE_RING
+        ring, slot_len = _PIPELINE_RING, piece * n
+        span = ring * slot_len if wraps else src.size
+        own = self._own.data[: span * itemsize].view(src.dtype)
+        peers = [None if m == me else seg.data[: span * itemsize].view(src.dtype)
+                 for m, seg in enumerate(self._segments)]
+
+        def at(k: int, m: int, lo: int, hi: int) -> slice:  # where chunk k's piece of rank m's share lies
+            if not wraps:
+                return slice(lo, hi)
+            start = (k % ring) * slot_len + m * piece
+            return slice(start, start + hi - lo)
+
         copied: list[int] = []  # this rank's epoch at "chunk k copied in": the same on every rank
         reduced: list[int] = []
 
         def copy_in(k: int) -> None:  # the shares the peers reduce; this rank's own stays in src
             for m, (lo, hi) in enumerate(shares[k]):
                 if m != me and hi > lo:
-                    own[lo:hi] = src[lo:hi]
+                    own[at(k, m, lo, hi)] = src[lo:hi]
             self._arrive()
             copied.append(self._epoch)
 
@@ -375,11 +393,12 @@ class ShmCommunicator(MemberCommunicator):
             self._wait_all(copied[k])  # every peer copied chunk k in
             lo, hi = shares[k][me]
             if hi > lo:
-                out = own[lo:hi]
+                where = at(k, me, lo, hi)
+                out = own[where]
                 first = True
                 for m in range(n):
                     if m != me:
-                        ufunc(src[lo:hi] if first else out, peers[m][lo:hi], out=out)
+                        ufunc(src[lo:hi] if first else out, peers[m][where], out=out)
                         first = False
             self._arrive()
             reduced.append(self._epoch)
@@ -388,10 +407,15 @@ class ShmCommunicator(MemberCommunicator):
             self._wait_all(reduced[k])  # every share of chunk k is reduced
             for m, (lo, hi) in enumerate(shares[k]):
                 if hi > lo:
-                    scale_into((own if m == me else peers[m])[lo:hi], postscale, dst[lo:hi])
+                    scale_into((own if m == me else peers[m])[at(k, m, lo, hi)], postscale, dst[lo:hi])
 
         # Copy-in of chunk k+1 comes before the reduction of chunk k, so a fast rank's copy overlaps
         # a slow rank's reduction, and its copy-out of k-1 the peers' reductions of k.
+        # The ring's slots need no wait of their own: a rank refills slot k % ring (for chunk k)
+        # in copy_in(k), after its copy_out(k-3) waited for every rank's reduce(k-3), and in
+        # reduce(k), after waiting for every rank's copy_in(k), which each ran after its own
+        # copy_out(k-3). With ring >= 3, the reads of chunk k - ring (a peer's reduction of its
+        # share, then its copy out) are over by then.
         copy_in(0)
         for k in range(len(shares)):
             if k + 1 < len(shares):
