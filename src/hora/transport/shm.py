@@ -49,7 +49,13 @@ from hora.transport.timer_slack import fine_timer_slack
 logger = logging.getLogger(__name__)
 
 _EPOCH, _ABORT, _OFFSET = 0, 1, 2
-_SPIN_CHECKS = 50
+#: How many times a wait checks a peer's epoch before it yields (one check is about 0.17 us here).
+#: A yield costs 40-65 us on a busy VM, so when every rank of the group has a core of its own, the
+#: spin adapts between these bounds (doubled when a peer arrives during it, halved when it runs
+#: out): spinning up to ~70 us first cuts a small allreduce's latency by a third or more. When ranks
+#: outnumber cores, a waiting rank's spin holds a core its peer needs: it stays at the minimum.
+_SPIN_CHECKS_MIN = 50
+_SPIN_CHECKS_MAX = 400
 _YIELD_FOR_S = 0.0002
 _MAX_NAP_S = 0.001
 _LIVENESS_EVERY_S = 0.05
@@ -67,6 +73,13 @@ _OBJECT_ROOM = SMALL_BYTES - _OBJECT_HEADER
 _LENGTH = struct.Struct("<q")
 
 _T = TypeVar("_T")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class ShmCommunicator(MemberCommunicator):
@@ -113,6 +126,8 @@ class ShmCommunicator(MemberCommunicator):
             self._max_bytes = int(config.get("shm_segment_bytes"))
             self._generation = 0
             self._epoch = 0
+            self._spin_most = _SPIN_CHECKS_MAX if self.size <= _usable_cores() else _SPIN_CHECKS_MIN
+            self._spin_checks = self._spin_most
             self._ensure(1 << 20)
         except BaseException:
             self.close()  # the mesh's sockets and threads, and any segment already mapped
@@ -241,13 +256,14 @@ class ShmCommunicator(MemberCommunicator):
                 continue
             ctrl = segment.ctrl
             checks = 0
+            spin = self._spin_checks
             waited_since = None
             while ctrl[_EPOCH] < target:
                 if ctrl[_ABORT]:
                     raise PeerFailureError(
                         f"rank {self._members[member]} aborted the collective after a failure", self._members[member])
                 checks += 1
-                if checks < _SPIN_CHECKS:
+                if checks < spin:
                     continue
                 # Yield the GIL (this process's other threads keep working) and the CPU; only a long
                 # wait (the peer is busy elsewhere) backs off to real sleeps.
@@ -255,6 +271,8 @@ class ShmCommunicator(MemberCommunicator):
                 if waited_since is None:
                     waited_since = now
                     fine_timer_slack()
+                    if spin > _SPIN_CHECKS_MIN:
+                        self._spin_checks = max(_SPIN_CHECKS_MIN, spin >> 1)
                 waited = now - waited_since
                 # Past a short yield, sleep in growing steps (capped): the peer is still computing,
                 # and spinning would steal the core this process's training thread needs.
@@ -267,6 +285,8 @@ class ShmCommunicator(MemberCommunicator):
                             f"no progress from rank {self._members[member]} for {self.timeout:.0f} s "
                             "(it may be hung or stuck outside the collective; see HORA_TRANSPORT_TIMEOUT)",
                             self._members[member], timed_out=True)
+            if waited_since is None and checks and spin < self._spin_most:
+                self._spin_checks = min(self._spin_most, spin << 1)  # the spin caught the peer
 
     def _check_alive(self, member: int) -> None:
         try:
