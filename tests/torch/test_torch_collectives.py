@@ -366,6 +366,33 @@ def _job_2ranks() -> list:
         (rc * (r + 1)).sum().backward()
         return {"a": a.grad, "b": b.grad, "c": c.grad}
 
+    def grad_modes():
+        # Autograd records a collective only when it must: an input that requires grad, with grad
+        # enabled. Otherwise the call skips the autograd Function; the values are the same.
+        x = torch.full((4,), float(r + 1), requires_grad=True)
+        plain = torch.full((4,), float(r + 1))
+        calls = {
+            "allreduce": lambda t: hvd.allreduce(t, op=hvd.Sum),
+            "grouped_allreduce": lambda t: hvd.grouped_allreduce([t, t * 2], op=hvd.Sum)[1],
+            "allgather": lambda t: hvd.allgather(t),
+            "grouped_allgather": lambda t: hvd.grouped_allgather([t])[0],
+            "broadcast": lambda t: hvd.broadcast(t, 1),
+            "alltoall": lambda t: hvd.alltoall(t, splits=[2, 2])[0],
+            "reducescatter": lambda t: hvd.reducescatter(t, op=hvd.Sum),
+            "grouped_reducescatter": lambda t: hvd.grouped_reducescatter([t], op=hvd.Sum)[0],
+        }
+        out = {}
+        for label, call in calls.items():
+            recorded = call(x)
+            with torch.no_grad():
+                unrecorded = call(x)
+            direct = call(plain)
+            out[label] = {"recorded": recorded.grad_fn is not None,
+                          "no_grad": unrecorded.grad_fn is None and not unrecorded.requires_grad,
+                          "plain": direct.grad_fn is None and not direct.requires_grad,
+                          "same": torch.equal(recorded.detach(), unrecorded) and torch.equal(unrecorded, direct)}
+        return out
+
     def join():
         # Rank 0 joins at once; rank 1 reduces alone (rank 0 counts as zeros), then joins last.
         if r == 0:
@@ -429,6 +456,7 @@ def _job_2ranks() -> list:
         ("grad.reducescatter", grad_reducescatter),
         ("grad.grouped_allgather", grad_grouped_allgather),
         ("grad.grouped_reducescatter", grad_grouped_reducescatter),
+        ("grad.modes", grad_modes),
         # last: rank 0 skips the named collectives inside (see _job_3ranks)
         ("scaled.half", scaled_half),
         ("join", join),
@@ -851,6 +879,12 @@ def test_allreduce_gradients_2ranks(ranks2):
         assert torch.allclose(got["fp16"], torch.ones(3))  # the averaged ones, as the brief derives
         assert torch.allclose(got["grouped_a"], torch.full((2,), 3.0))
         assert torch.allclose(got["grouped_b"], torch.full((3,), 4.0))
+
+
+def test_collectives_record_autograd_only_when_needed_2ranks(ranks2):
+    for r in range(2):
+        for label, got in ranks2.get("grad.modes", r).items():
+            assert got == {"recorded": True, "no_grad": True, "plain": True, "same": True}, (r, label)
 
 
 def _allgather_grad_expected(n: int, r: int) -> torch.Tensor:
