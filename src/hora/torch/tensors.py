@@ -28,13 +28,15 @@ def check_dtype(tensor: torch.Tensor) -> None:
 
 def shares_memory(tensor: torch.Tensor) -> bool:
     """Whether :func:`as_array` returns a view of ``tensor`` (not a copy)."""
-    return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_sparse
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's data as a NumPy array: a view for contiguous CPU tensors, else a host copy."""
     check_dtype(tensor)
-    t = tensor.detach()
+    # detach() only where numpy() needs it: each torch call that releases the GIL hands it to a
+    # waiting engine thread, which costs more than the call.
+    t = tensor.detach() if tensor.requires_grad else tensor
     if not shares_memory(t):
         t = t.to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
