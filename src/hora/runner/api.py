@@ -24,6 +24,7 @@ from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
 from hora.runner.job import Job
 from hora.runner.ssh import SshOptions
 from hora.runner.launch import JobOutcome
+from hora.runner.payload import dumps_call
 from hora.runner.discovery import DiscoveryFunction
 from hora.runner.elastic_driver import ElasticOutcome
 from hora.runner.elastic_launch import ElasticRequest, run_elastic
@@ -120,7 +121,7 @@ def run(
         else parse_hostfile(hostfile) if hostfile is not None
         else default_hosts(size)
     )
-    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    payload = dumps_call(func, args, kwargs)
     extra_env = {str(key): str(value) for key, value in (env or {}).items()}
     if start_timeout is not None:
         extra_env.update(config.env_for("start_timeout", start_timeout))

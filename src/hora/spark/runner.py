@@ -33,6 +33,7 @@ from hora import config
 from hora.errors import ConfigError, HorovodInternalError, LaunchError
 from hora.rendezvous import RendezvousServer, new_secret
 from hora.runner.api import raise_remote, refuse_unsupported
+from hora.runner.payload import dumps_call
 from hora.runner.worker_env import JobContext
 from hora.spark.task import FUNC_KEY, KEY_PREFIX, SYS_PATH_KEY, TaskSpec, output_prefix, run_task
 
@@ -113,7 +114,7 @@ def _log(verbose: int, message: str, *values: Any) -> None:
 
 def _pickled(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bytes:
     try:
-        return cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        return dumps_call(fn, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - said before anything starts
         raise ConfigError(f"hora.spark.run: the function or its arguments cannot be sent to the tasks: "
                           f"{type(exc).__name__}: {exc}") from exc
