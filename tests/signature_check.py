@@ -1,7 +1,7 @@
 """Comparing a binding's public signatures with Horovod's, written as text (``name(a, b=1)``).
 
-Shared by the API tests of every binding (tests/torch/test_torch_api.py,
-tests/tensorflow/test_tf_api.py). hora may add parameters only at the end, each with a default and
+Shared by the API tests of every binding (tests/hora_torch/test_torch_api.py,
+tests/hora_tensorflow/test_tf_api.py). hora may add parameters only at the end, each with a default and
 named in the test's allowed extras, so that every Horovod call, positional or keyword, still means
 the same.
 """

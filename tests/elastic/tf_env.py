@@ -1,4 +1,4 @@
-"""The job environment of the TensorFlow and Keras elastic tests: tests/tensorflow/tf_job.py's (TensorFlow
+"""The job environment of the TensorFlow and Keras elastic tests: tests/hora_tensorflow/tf_job.py's (TensorFlow
 kept quiet and held to one compute thread per worker), reused rather than copied."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-_TENSORFLOW_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tensorflow")
+_TENSORFLOW_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hora_tensorflow")
 if _TENSORFLOW_TESTS not in sys.path:
     sys.path.append(_TENSORFLOW_TESTS)
 

@@ -1,6 +1,6 @@
 """hora.keras on Keras 3's JAX backend (``KERAS_BACKEND=jax``), on 2 real workers.
 
-The backend-neutral Keras checks of tests/tensorflow/keras_sections.py, now with Keras's JAX trainer,
+The backend-neutral Keras checks of tests/hora_tensorflow/keras_sections.py, now with Keras's JAX trainer,
 which compiles ``train_step`` with ``jax.jit``: the wrapped optimizer's gradients are averaged inside
 the compiled step through one ordered host callback (hora.jax.keras_reducer). model.fit with
 DistributedOptimizer must match 1 worker on the whole batches (SGD, Adam, groups, fp16,
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("keras")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tensorflow"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hora_tensorflow"))
 
 import keras_sections as ks  # noqa: E402
 from tf_job import JobResults, run_job  # noqa: E402

@@ -1,6 +1,6 @@
 """Runs one MXNet test job inside the MXNet venv and writes each rank's section results to a file.
 
-Usage (by tests/mxnet/mxnet_job.py, with the venv's Python): ``mxnet_driver.py FUNC NP OUT`` where
+Usage (by tests/hora_mxnet/mxnet_job.py, with the venv's Python): ``mxnet_driver.py FUNC NP OUT`` where
 FUNC names a function of mxnet_jobs.py returning its sections. The results (plain Python and NumPy
 values, or SectionFailure records) are pickled to OUT for the test process to read.
 """

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("tf_keras")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tensorflow"))  # the TensorFlow job helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hora_tensorflow"))  # the TensorFlow job helpers
 from tf_job import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
