@@ -137,6 +137,10 @@ def run_main(argv: Sequence[str]) -> int:
     for note in notes(args):
         logger.info("%s", note)
     try:
+        if args.use_mpi:
+            from hora.mpi.launch import check_transport
+
+            check_transport(knob_environment(args))
         hosts = resolve_hosts(args)
         ssh = SshOptions.from_config(port=args.ssh_port, identity_file=args.ssh_identity_file)
         job = Job(hosts, args.np, command, extra_env=knob_environment(args),

@@ -19,7 +19,7 @@ import signal
 import subprocess
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from hora.errors import LaunchError
+from hora.errors import ConfigError, LaunchError
 from hora.runner.hosts import Host
 
 if TYPE_CHECKING:
@@ -142,6 +142,26 @@ def job_environment(job_env: Mapping[str, str], extra_env: Mapping[str, str] | N
     if not config.is_set("transport", env):
         env[config.knob("transport").env] = "mpi"
     return env
+
+
+def check_transport(extra_env: Mapping[str, str] | None = None, where: str = "--mpi",
+                    base: Mapping[str, str] | None = None) -> None:
+    """ConfigError, before anything starts, when the job's ranks could not form their world: with
+    ``--mpi`` they run on the mpi transport (unless HORA_TRANSPORT says otherwise), and when its mpi4py
+    cannot load here, every rank would fail in ``init()`` with the same traceback, interleaved by
+    mpirun, and the cause buried in it. Horovod stops its ``--mpi`` in the same place (a ValueError,
+    which ConfigError is) when it was built without MPI."""
+    from hora import config
+    from hora.transport import unavailable_reason
+
+    env = job_environment({}, extra_env, base)
+    if str(config.get("transport", env)).lower() != "mpi":
+        return
+    why = unavailable_reason("mpi")
+    if why is not None:
+        raise ConfigError(f"{where} runs the collectives on the mpi transport, which cannot run here: {why} "
+                          "(or set HORA_TRANSPORT=tcp to start the ranks through mpirun on hora's own "
+                          "transport)")
 
 
 def run_job(job: "Job", hosts: Sequence[Host], np: int, command: Sequence[str],

@@ -170,9 +170,10 @@ def _run_through_mpirun(hosts: Sequence[Any], size: int, command: list[str], pay
                         extra_env: dict[str, str], mpi_args: str | None, output_dir: str | None,
                         interfaces: list[str] | None, ssh: SshOptions) -> list[Any]:
     """``use_mpi=True``: mpirun starts the function's workers; results come from the store as usual."""
-    from hora.mpi.launch import run_job
+    from hora.mpi.launch import check_transport, run_job
     from hora.runner.launch import WorkerExit
 
+    check_transport(extra_env, where="hora.run: use_mpi=True")
     job = Job(hosts, size, command, network_interfaces=interfaces, ssh=ssh)
     with job:
         job.store.set(SYS_PATH_KEY, json.dumps([p for p in sys.path if isinstance(p, str)]).encode())

@@ -1,9 +1,10 @@
 """What ``hora check`` (and ``hora run --check-build``) reports.
 
 The first thing to ask when a job misbehaves is "what is installed, and what is configured?". This
-module answers both as plain lines of text: versions, which transports this install offers, which
-frameworks are importable, and every knob's effective value with where it came from. Framework
-versions are read from package metadata, so the check does not pay for importing torch or TensorFlow.
+module answers both as plain lines of text: versions, which transports this machine can run (and
+why not, for those it cannot), which frameworks are importable, and every knob's effective value with
+where it came from. Framework versions are read from package metadata, so the check does not pay for
+importing torch or TensorFlow.
 """
 
 from __future__ import annotations
@@ -38,12 +39,21 @@ def _package_version(module: str, distributions: str | tuple[str, ...]) -> str |
 
 
 def transport_lines() -> list[str]:
-    """One ``name: yes/no`` line per transport in hora's registry."""
+    """One line per transport in hora's registry: ``yes`` only when this machine can run it (what the
+    transport itself needs: mpi4py and an MPI library, a writable /dev/shm), otherwise ``no (why)``.
+    A registered transport is not a usable one, and a job on one that is not fails on every rank."""
     try:
-        from hora.transport import TRANSPORTS
+        from hora.transport import TRANSPORTS, unavailable_reason
     except Exception as exc:  # noqa: BLE001 - a broken install is exactly what check must show
         return [f"tcp ring: no (hora.transport does not import: {exc})"]
-    return [f"{_TRANSPORT_LABELS.get(name, name)}: yes" for name in sorted(TRANSPORTS)]
+    lines = []
+    for name in sorted(TRANSPORTS):
+        try:
+            why = unavailable_reason(name)
+        except Exception as exc:  # noqa: BLE001 - a failing check is itself the answer
+            why = f"its check failed: {exc}"
+        lines.append(f"{_TRANSPORT_LABELS.get(name, name)}: {'yes' if why is None else f'no ({why})'}")
+    return lines
 
 
 def config_lines() -> list[str]:

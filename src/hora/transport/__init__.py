@@ -1,10 +1,12 @@
 """Collectives on contiguous buffers between a fixed set of processes.
 
 ``TRANSPORTS`` is the registry: a new transport is a module with a :class:`Communicator` subclass
-(or a factory that builds one from the same arguments) and one line here, and is then picked up by
-the conformance suite in tests/transport/. Every factory takes ``(rank, members, store, scope,
-secret, **options)``: this process's index in ``members`` (global ranks), the rendezvous store the
-members find each other through, a scope unique to this communicator, and the job secret.
+(or a factory that builds one from the same arguments) and one line here (a second in
+``REQUIREMENTS`` when it needs more of the machine than sockets), and is then picked up by the
+conformance suite in tests/transport/ and reported by ``hora check``. Every factory takes ``(rank,
+members, store, scope, secret, **options)``: this process's index in ``members`` (global ranks), the
+rendezvous store the members find each other through, a scope unique to this communicator, and the
+job secret.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hora.transport.base import (
     ReduceOp,
     TransportUnavailable,
 )
+from hora.transport import hierarchical, mpi, shm
 from hora.transport.hierarchical import HierarchicalCommunicator
 from hora.transport.mpi import MpiCommunicator
 from hora.transport.shm import ShmCommunicator
@@ -29,6 +32,28 @@ TRANSPORTS: dict[str, Callable[..., Communicator]] = {
     "hierarchical": HierarchicalCommunicator.connect,
     "mpi": MpiCommunicator,  # mpi4py; needs a job formed over MPI (mpirun, init(comm=...))
 }
+
+#: What a transport needs from this machine beyond Python and sockets: a function saying why it cannot
+#: run here (None: it can). A transport not listed needs nothing more (tcp).
+REQUIREMENTS: dict[str, Callable[[], str | None]] = {
+    "shm": shm.unavailable_reason,
+    "hierarchical": hierarchical.unavailable_reason,
+    "mpi": mpi.unavailable_reason,
+}
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why transport ``name`` cannot run on this machine, or None when it can.
+
+    Asked before anything starts (``hora check``, ``hora run --mpi``): a missing requirement is then one
+    line from the launcher, not the same traceback from every rank once they run. What depends on the
+    job rather than the machine (shm needs every rank on one host, mpi a job formed over MPI) is
+    checked when a job forms.
+    """
+    if name not in TRANSPORTS:
+        return f"unknown transport {name!r}; available: {', '.join(sorted(TRANSPORTS))}"
+    check = REQUIREMENTS.get(name)
+    return None if check is None else check()
 
 
 def create_communicator(
@@ -52,6 +77,7 @@ def create_communicator(
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "REQUIREMENTS",
     "TRANSPORTS",
     "Communicator",
     "HierarchicalCommunicator",
@@ -60,4 +86,5 @@ __all__ = [
     "TcpCommunicator",
     "TransportUnavailable",
     "create_communicator",
+    "unavailable_reason",
 ]

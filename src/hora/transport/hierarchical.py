@@ -27,9 +27,17 @@ from hora.transport.base import Communicator, ReduceOp, check_buffer
 from hora.transport.layout import split_offsets
 from hora.transport.reduce import check_op
 from hora.transport.scratch import ScratchArrays
-from hora.transport.shm import ShmCommunicator
+from hora.transport.shm import ShmCommunicator, unavailable_reason as shm_unavailable_reason
 from hora.transport.tcp import TcpCommunicator
 from hora.transport.topology import Topology, exchange_topology
+
+
+def unavailable_reason() -> str | None:
+    """Why hierarchical allreduce cannot run here, or None when it can. Its in-host layer is the shm
+    transport (TCP carries the rest), so it needs what shm needs; without it, it would be the flat
+    ring under another name."""
+    why = shm_unavailable_reason()
+    return None if why is None else f"its in-host layer is the shm transport, which cannot run: {why}"
 
 
 class HierarchicalCommunicator(Communicator):

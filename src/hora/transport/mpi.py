@@ -24,6 +24,8 @@ from __future__ import annotations
 import pickle
 import select
 import socket
+import subprocess
+import sys
 import time
 import zlib
 from typing import Any, Sequence
@@ -59,6 +61,53 @@ def _mpi() -> Any:
     except Exception as exc:  # noqa: BLE001 - ImportError, or a missing MPI library
         raise TransportUnavailable(f"the mpi transport needs mpi4py and an MPI library: {exc}") from None
     return MPI
+
+
+_INSTALL = 'pip install "hora[mpi]"'
+_REINSTALL = "reinstall mpi4py: pip install --force-reinstall --no-cache-dir mpi4py"
+#: How long the child that loads mpi4py's MPI library may take: one stuck (a hung network file
+#: system, a misconfigured PMI) must not stall the launcher or ``hora check``.
+_PROBE_TIMEOUT_S = 30.0
+# Loads the library without MPI_Init: the probe must not need (or wait for) an MPI launcher.
+_PROBE = "import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; from mpi4py import MPI"
+
+
+def unavailable_reason(timeout: float = _PROBE_TIMEOUT_S) -> str | None:
+    """Why the mpi transport cannot run here, or None when it can: mpi4py must import and load its MPI
+    library.
+
+    ``hora check`` and ``hora run --mpi`` ask before any rank starts, so a missing mpi4py is one line
+    from the launcher rather than the same traceback from every rank. The library is loaded in a child
+    Python: importing ``mpi4py.MPI`` here would initialise MPI in the launcher itself, and a broken MPI
+    install can abort the process that loads it. Whether the job is formed over MPI (mpirun,
+    ``init(comm=...)``) is a fact about a job, not this machine, and is checked when one forms.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        return None  # this process has loaded it already
+    try:
+        import mpi4py  # the package alone is pure Python: importing it initialises nothing
+    except ModuleNotFoundError as exc:
+        if exc.name == "mpi4py":
+            return f"mpi4py is not installed: {_INSTALL}"
+        return f"mpi4py does not import ({exc}): {_REINSTALL}"
+    except Exception as exc:  # noqa: BLE001 - whatever a broken install raises is the reason to show
+        return f"mpi4py does not import ({exc}): {_REINSTALL}"
+    # The child finds the same mpi4py even when this process found it through a sys.path entry of its own.
+    where = [str(path) for path in getattr(mpi4py, "__path__", [])][:1]
+    program = f"import sys, os; sys.path[:0] = [os.path.dirname(p) for p in {where!r}]; {_PROBE}"
+    try:
+        probe = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                               timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"loading mpi4py's MPI library did not finish within {timeout:.0f} s"
+    except OSError as exc:
+        return f"cannot start {sys.executable} to load mpi4py's MPI library: {exc}"
+    if probe.returncode != 0:
+        lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
+        cause = lines[-1] if lines else f"exit status {probe.returncode}"
+        return (f"mpi4py cannot load an MPI library ({cause}): install Open MPI or MPICH "
+                f"(apt-get install openmpi-bin), then {_REINSTALL}")
+    return None
 
 
 class MpiCommunicator(MemberCommunicator):

@@ -41,7 +41,7 @@ from hora.transport.guard import CollectiveGuard
 from hora.transport.layout import count_offsets, split_offsets
 from hora.transport.reduce import check_op, reduction_ufunc
 from hora.transport.scaling import scale_into
-from hora.transport.shm_segment import SMALL_BYTES, Segment
+from hora.transport.shm_segment import SHM_DIR, SMALL_BYTES, Segment
 from hora.transport.tcp import TcpCommunicator
 from hora.transport.tcp_mesh import local_machine_id
 from hora.transport.timer_slack import fine_timer_slack
@@ -80,6 +80,22 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def unavailable_reason() -> str | None:
+    """Why ranks on this host cannot share memory here, or None when they can.
+
+    It makes (and at once removes) a small segment the way the transport does, so it fails for the
+    reason a job would: no /dev/shm, no permission to write there, a full tmpfs, or no
+    ``posix_fallocate`` on this platform.
+    """
+    try:
+        segment = Segment.create(f"hora-check-{os.getpid()}", 1)
+    except (OSError, AttributeError) as exc:
+        return f"cannot create a shared-memory segment in {SHM_DIR}: {exc}"
+    segment.unlink()
+    segment.close()
+    return None
 
 
 class ShmCommunicator(MemberCommunicator):
