@@ -341,8 +341,25 @@ def _error_case(exc_type: type[BaseException], call: Callable[[Communicator], An
     return run
 
 
-def build_cases(n: int, small_bytes: int, chunk_bytes: int) -> list[Case]:
-    """Every case for a world of ``n`` ranks, in the order every rank runs them."""
+def chosen(covering: int | None, index: int, modulus: int, *shift: int) -> bool:
+    """Whether a covering world keeps choice ``index`` (of ``modulus``) at this point of a product.
+
+    The choice rotates with the other factors' indices (``shift``) and with the world (``covering``),
+    so that in every world each pair of factors (dtype x op, dtype x size, op x size, size x root or
+    layout) still occurs at least once. ``covering`` None is the full product: every choice is kept.
+    """
+    return covering is None or index == (covering + sum(shift)) % modulus
+
+
+def build_cases(n: int, small_bytes: int, chunk_bytes: int, covering: int | None = None) -> list[Case]:
+    """Every case for a world of ``n`` ranks, in the order every rank runs them.
+
+    ``covering`` None gives the full product of dtype x op x size x root x layout, and the large
+    messages in every big dtype. An integer gives a pairwise covering of that product instead: every
+    pair of factors at least once, rotated by the integer so that worlds differ in which triples
+    they run, and one big dtype per collective; the edge cases (algorithm thresholds, chunk
+    boundaries, objects, errors, close) are always all there.
+    """
     cases: list[Case] = []
 
     def add(case_id: str, fn: CaseFn) -> None:
@@ -353,9 +370,11 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int) -> list[Case]:
     chunk_f32 = chunk_bytes // 4
 
     # -- allreduce
-    for dtype in SUPPORTED_DTYPES:
-        for op in ops_for(dtype):
-            for count in SMALL_SIZES:
+    for d, dtype in enumerate(SUPPORTED_DTYPES):
+        for i, op in enumerate(ops_for(dtype)):
+            for j, count in enumerate(SMALL_SIZES):
+                if not chosen(covering, j, len(SMALL_SIZES), i, d):
+                    continue
                 shape = (7, 143) if count == 1001 else None
                 add(f"allreduce-{dtype_name(dtype)}-{op.name.lower()}-{count}", _allreduce_case(dtype, op, count, shape))
     for count, label in (
@@ -365,28 +384,34 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int) -> list[Case]:
         (n * chunk_f32 + 1, "chunk_plus1"),
     ):
         add(f"allreduce-float32-sum-{label}", _allreduce_case(f32, ReduceOp.SUM, count))
-    for dtype in BIG_DTYPES:
-        add(f"allreduce-{dtype_name(dtype)}-sum-big", _allreduce_case(dtype, ReduceOp.SUM, BIG_COUNT))
+    for b, dtype in enumerate(BIG_DTYPES):
+        if chosen(covering, b, len(BIG_DTYPES), 0):
+            add(f"allreduce-{dtype_name(dtype)}-sum-big", _allreduce_case(dtype, ReduceOp.SUM, BIG_COUNT))
     add("allreduce-float64-max-big", _allreduce_case(np.dtype(np.float64), ReduceOp.MAX, BIG_COUNT // 2))
     add("allreduce-int32-band-big", _allreduce_case(np.dtype(np.int32), ReduceOp.BAND, BIG_COUNT // 2))
 
     # -- allgather with per-rank counts
-    for dtype in SUPPORTED_DTYPES:
-        for s in SMALL_SIZES:
-            add(f"allgather-{dtype_name(dtype)}-equal-{s}", _allgather_case(dtype, lambda m, s=s: [s] * m))
-            add(f"allgather-{dtype_name(dtype)}-ragged-{s}", _allgather_case(dtype, lambda m, s=s: [s + 3 * k for k in range(m)]))
+    for d, dtype in enumerate(SUPPORTED_DTYPES):
+        for j, s in enumerate(SMALL_SIZES):
+            if chosen(covering, 0, 2, j, d):
+                add(f"allgather-{dtype_name(dtype)}-equal-{s}", _allgather_case(dtype, lambda m, s=s: [s] * m))
+            if chosen(covering, 1, 2, j, d):
+                add(f"allgather-{dtype_name(dtype)}-ragged-{s}", _allgather_case(dtype, lambda m, s=s: [s + 3 * k for k in range(m)]))
     add("allgather-float32-zero_on_rank0", _allgather_case(f32, lambda m: [0] + [5] * (m - 1)))
     add("allgather-float32-only_last_rank", _allgather_case(f32, lambda m: [0] * (m - 1) + [9]))
     add("allgather-float32-small_threshold", _allgather_case(f32, lambda m: split_counts(small_f32, m)))
     add("allgather-float32-small_threshold_plus1", _allgather_case(f32, lambda m: split_counts(small_f32 + 1, m)))
     add("allgather-float32-chunk_plus1", _allgather_case(f32, lambda m: [chunk_f32 + 1 + k for k in range(m)]))
-    for dtype in BIG_DTYPES:
-        add(f"allgather-{dtype_name(dtype)}-big", _allgather_case(dtype, lambda m: split_counts(BIG_COUNT, m)))
+    for b, dtype in enumerate(BIG_DTYPES):
+        if chosen(covering, b, len(BIG_DTYPES), 1):
+            add(f"allgather-{dtype_name(dtype)}-big", _allgather_case(dtype, lambda m: split_counts(BIG_COUNT, m)))
 
     # -- broadcast from every root
-    for dtype in SUPPORTED_DTYPES:
-        for s in SMALL_SIZES:
+    for d, dtype in enumerate(SUPPORTED_DTYPES):
+        for j, s in enumerate(SMALL_SIZES):
             for root in range(n):
+                if not chosen(covering, root, n, j, d):
+                    continue
                 shape = (7, 143) if s == 1001 else None
                 add(f"broadcast-{dtype_name(dtype)}-{s}-root{root}", _broadcast_case(dtype, s, root, shape))
     for root in range(n):
@@ -394,17 +419,20 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int) -> list[Case]:
         add(f"broadcast-float32-chunk_plus1-root{root}", _broadcast_case(f32, chunk_f32 + 1, root))
     add("broadcast-float32-small_threshold-root0", _broadcast_case(f32, small_f32, 0))
     add("broadcast-uint8-chunk_minus1-root0", _broadcast_case(np.dtype(np.uint8), chunk_bytes - 1, 0))
-    for dtype in BIG_DTYPES:
-        add(f"broadcast-{dtype_name(dtype)}-big-root{n - 1}", _broadcast_case(dtype, BIG_COUNT, n - 1))
+    for b, dtype in enumerate(BIG_DTYPES):
+        if chosen(covering, b, len(BIG_DTYPES), 2):
+            add(f"broadcast-{dtype_name(dtype)}-big-root{n - 1}", _broadcast_case(dtype, BIG_COUNT, n - 1))
 
     # -- alltoall with per-rank counts
-    for dtype in SUPPORTED_DTYPES:
-        for s in SMALL_SIZES:
-            add(f"alltoall-{dtype_name(dtype)}-equal-{s}", _alltoall_case(dtype, lambda m, s=s: [[s] * m for _ in range(m)]))
-            add(
-                f"alltoall-{dtype_name(dtype)}-ragged-{s}",
-                _alltoall_case(dtype, lambda m, s=s: [[s + 2 * src + dst for dst in range(m)] for src in range(m)]),
-            )
+    for d, dtype in enumerate(SUPPORTED_DTYPES):
+        for j, s in enumerate(SMALL_SIZES):
+            if chosen(covering, 0, 2, j, d):
+                add(f"alltoall-{dtype_name(dtype)}-equal-{s}", _alltoall_case(dtype, lambda m, s=s: [[s] * m for _ in range(m)]))
+            if chosen(covering, 1, 2, j, d):
+                add(
+                    f"alltoall-{dtype_name(dtype)}-ragged-{s}",
+                    _alltoall_case(dtype, lambda m, s=s: [[s + 2 * src + dst for dst in range(m)] for src in range(m)]),
+                )
     add(
         "alltoall-float32-sparse",  # some pairs exchange nothing
         _alltoall_case(f32, lambda m: [[(src + dst) % 3 * 5 for dst in range(m)] for src in range(m)]),
@@ -413,16 +441,20 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int) -> list[Case]:
         "alltoall-float32-small_threshold_plus1",
         _alltoall_case(f32, lambda m: [split_counts(small_f32 + 1, m) for _ in range(m)]),
     )
-    for dtype in BIG_DTYPES:
+    for b, dtype in enumerate(BIG_DTYPES):
+        if not chosen(covering, b, len(BIG_DTYPES), 3):
+            continue
         add(
             f"alltoall-{dtype_name(dtype)}-big",
             _alltoall_case(dtype, lambda m: [split_counts(BIG_COUNT // m + src, m) for src in range(m)]),
         )
 
     # -- reducescatter with per-rank counts
-    for dtype in SUPPORTED_DTYPES:
-        for op in ops_for(dtype):
-            for s in SMALL_SIZES:
+    for d, dtype in enumerate(SUPPORTED_DTYPES):
+        for i, op in enumerate(ops_for(dtype)):
+            for j, s in enumerate(SMALL_SIZES):
+                if not chosen(covering, j, len(SMALL_SIZES), i, d, 1):
+                    continue
                 counts_of = (lambda m, s=s: split_counts(s, m)) if s != 7 else (lambda m: [7 + k for k in range(m)])
                 add(f"reducescatter-{dtype_name(dtype)}-{op.name.lower()}-{s}", _reducescatter_case(dtype, op, counts_of))
     add("reducescatter-float32-sum-zero_on_rank0", _reducescatter_case(f32, ReduceOp.SUM, lambda m: [0] + [6] * (m - 1)))
@@ -435,8 +467,9 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int) -> list[Case]:
         "reducescatter-float32-sum-chunk_plus1",
         _reducescatter_case(f32, ReduceOp.SUM, lambda m: [chunk_f32 + 1 + k for k in range(m)]),
     )
-    for dtype in BIG_DTYPES:
-        add(f"reducescatter-{dtype_name(dtype)}-sum-big", _reducescatter_case(dtype, ReduceOp.SUM, lambda m: split_counts(BIG_COUNT, m)))
+    for b, dtype in enumerate(BIG_DTYPES):
+        if chosen(covering, b, len(BIG_DTYPES), 4):
+            add(f"reducescatter-{dtype_name(dtype)}-sum-big", _reducescatter_case(dtype, ReduceOp.SUM, lambda m: split_counts(BIG_COUNT, m)))
     add("reducescatter-int16-bor-big", _reducescatter_case(np.dtype(np.int16), ReduceOp.BOR, lambda m: split_counts(BIG_COUNT, m)))
 
     # -- barrier and the object collectives
@@ -564,11 +597,13 @@ def host_label(hosts: tuple[int, ...], rank: int) -> str | None:
 
 
 def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, ...] = (),
-                       only: Callable[[str, int], bool] | None = None) -> dict[str, Any]:
+                       only: Callable[[str, int], bool] | None = None,
+                       covering: int | None = None) -> dict[str, Any]:
     """Run every case on this rank; ``{case_id: (ok, detail, digest)}``.
 
     ``hosts`` emulates a multi-host layout (ranks per host) for transports that care where ranks run;
-    ``only(case_id, world_size)``, if given, picks a subset (the 16-rank run).
+    ``only(case_id, world_size)``, if given, picks a subset (the 16-rank run); ``covering`` is
+    :func:`build_cases`'s.
     """
     from hora.runtime import connect_world
 
@@ -579,7 +614,7 @@ def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, 
     env = CaseEnv()
     results: dict[str, Any] = {}
     try:
-        for case in build_cases(comm.size, **knobs):
+        for case in build_cases(comm.size, **knobs, covering=covering):
             if only is not None and not only(case.id, comm.size):
                 continue
             try:
