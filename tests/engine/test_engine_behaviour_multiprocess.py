@@ -348,3 +348,38 @@ def test_stall_inspector_warns_then_fails_every_rank_world_size_2():
         message = res["message"]
         assert "'x'" in message and "ranks [1] never submitted" in message, message
         assert 2.5 <= res["elapsed"] < 30, res  # shuts down at 3 s; bound ~10x
+
+
+def _stall_with_captured_stderr() -> str:
+    """Rank 0 stalls on 'x' while its ``sys.stderr`` is a StringIO, as under pytest, Jupyter or a logger
+    that captures it; the report must still reach the process's own stderr."""
+    import io
+    import sys
+
+    hora.init()
+    captured = io.StringIO()
+    sys.stderr = captured
+    try:
+        if hora.rank() == 0:
+            pending = hora.allreduce_async(np.ones(2), name="x")
+            hora.barrier()
+        else:
+            hora.barrier()
+            pending = hora.allreduce_async(np.ones(2), name="y")
+        try:
+            hora.synchronize(pending)
+        except Exception:  # noqa: BLE001 - the stall shutdown; what matters is where the report went
+            pass
+    finally:
+        sys.stderr = sys.__stderr__
+    hora.shutdown()
+    return captured.getvalue()
+
+
+def test_stall_report_reaches_the_process_stderr_even_when_sys_stderr_is_captured_world_size_2(capsys):
+    env = job_env(stall_check_time_seconds=1, stall_shutdown_time_seconds=3)
+    hora.run(_stall_with_captured_stderr, np=2, env=env)
+    relayed = capsys.readouterr().err
+    # The launcher relays each worker's own stderr (file descriptor 2) with its rank prefix.
+    lines = [line for line in relayed.splitlines() if line.startswith("[0]<stderr>:") and "'x'" in line]
+    assert any("missing ranks [1]" in line for line in lines), relayed[-3000:]

@@ -26,6 +26,7 @@ import numpy as np
 from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
+from hora.engine.process_stderr import send_to_process_stderr
 from hora.engine import request as request_module
 from hora.engine.request import PROCESS_SET_KINDS, Handle, Kind, Request, process_set_signature
 from hora.engine.autotune import AutotuneConfig, Autotuner, TuningParams
@@ -38,6 +39,8 @@ from hora.transport.timer_slack import fine_timer_slack
 _BAND = ReduceOp.BAND
 
 logger = logging.getLogger(__name__)
+# Stall reports and the other warnings of the engine must be seen even where sys.stderr is captured.
+send_to_process_stderr(logger)
 
 _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
