@@ -18,7 +18,7 @@ from jax_job import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
+DTYPES = ["uint8", "int8", "int16", "uint16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
 OPS = ["Average", "Sum", "Min", "Max", "Product"]
 SHAPES = [(), (5,), (2, 3)]
 

@@ -19,7 +19,7 @@ from tf_job import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
+DTYPES = ["uint8", "int8", "int16", "uint16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
 OPS = ["Average", "Sum", "Min", "Max", "Product"]
 
 

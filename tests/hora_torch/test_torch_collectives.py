@@ -24,18 +24,18 @@ from sections import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64]
 OPS = ["Average", "Sum", "Min", "Max", "Product"]
 BOOL_OPS = ["Sum", "Min", "Max", "Product"]  # logical or, and, or, and
-INTEGER = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+INTEGER = {torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64}
 
 
 def dtype_input(dtype: torch.dtype, rank: int) -> torch.Tensor:
     """Rank ``rank``'s input: small values (no overflow, exact in half precision), odd sums, negatives."""
     if dtype == torch.bool:
         return torch.tensor([True, False, rank % 2 == 0, rank % 2 == 1, True, rank == 0])
-    base = [0, 1, 2, 3, 4, 5] if dtype == torch.uint8 else [-3, -1, 0, 1, 2, 5]
+    base = [0, 1, 2, 3, 4, 5] if dtype in (torch.uint8, torch.uint16) else [-3, -1, 0, 1, 2, 5]
     return (torch.tensor(base, dtype=torch.int64) + rank).to(dtype).reshape(2, 3)
 
 
@@ -52,6 +52,21 @@ def expected_reduce(op: str, dtype: torch.dtype, size: int) -> torch.Tensor:
     return torch.from_numpy(value).to(dtype)
 
 
+class Uint16Result:
+    """A uint16 tensor on its way back from a worker: torch cannot pickle that dtype's storage."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.array = tensor.numpy()
+
+
+def portable(tensor: torch.Tensor):
+    return Uint16Result(tensor) if tensor.dtype == torch.uint16 else tensor
+
+
+def unpacked(value):
+    return torch.from_numpy(value.array) if isinstance(value, Uint16Result) else value
+
+
 # ---- the jobs ---------------------------------------------------------------------------------
 
 
@@ -60,7 +75,7 @@ def _common_sections(hvd, r: int, n: int) -> list:
     sections = []
 
     def reduce_case(dtype, op):
-        return lambda: hvd.allreduce(dtype_input(dtype, r), op=getattr(hvd, op))
+        return lambda: portable(hvd.allreduce(dtype_input(dtype, r), op=getattr(hvd, op)))
 
     for dtype in DTYPES:
         for op in OPS:
@@ -551,7 +566,7 @@ def job(request) -> JobResults:
 def test_allreduce_dtype_op_2ranks(ranks2, dtype, op):
     want = expected_reduce(op, dtype, 2)
     for r in range(2):
-        got = ranks2.get(f"dtype.{dtype}.{op}", r)
+        got = unpacked(ranks2.get(f"dtype.{dtype}.{op}", r))
         assert got.dtype == dtype and got.shape == (2, 3)
         assert torch.equal(got, want), (r, got, want)
 
@@ -561,7 +576,7 @@ def test_allreduce_dtype_op_2ranks(ranks2, dtype, op):
 def test_allreduce_dtype_op_3ranks(ranks3, dtype, op):
     want = expected_reduce(op, dtype, 3)
     for r in range(3):
-        got = ranks3.get(f"dtype.{dtype}.{op}", r)
+        got = unpacked(ranks3.get(f"dtype.{dtype}.{op}", r))
         assert got.dtype == dtype and torch.equal(got, want), (r, got, want)
 
 

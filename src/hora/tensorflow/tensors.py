@@ -1,4 +1,5 @@
-"""Running hora's NumPy collectives on TensorFlow tensors, eagerly and inside ``tf.function``.
+"""Running hora's NumPy collectives on TensorFlow tensors: eagerly, inside ``tf.function`` and in
+TensorFlow 1 graphs run by a ``tf.compat.v1.Session``.
 
 Every hora.tensorflow collective is one Python function on NumPy arrays (it submits to the engine
 and waits). Eagerly, :func:`run_numpy` calls it on the tensors' values at once. While a
@@ -6,18 +7,30 @@ and waits). Eagerly, :func:`run_numpy` calls it on the tensors' values at once. 
 then never prunes it, and its automatic control dependencies run such ops in program order, the
 same order on every rank, so ranks cannot each block on a different collective. Shapes that are
 known statically are set on the outputs so the rest of the graph keeps its shape information.
+
+A TensorFlow 1 graph has no such control dependencies: its executor runs independent ops in any
+order, on a few threads, and the order differs between ranks. Two things follow. An unnamed
+collective cannot be named by its place in the order the ranks run collectives, so it gets a name
+when the graph is built (:func:`collective_name`), the same on every rank that builds the same
+graph. And a collective must not hold one of the executor's threads while it waits for its peers:
+with more collectives ready than threads, each rank could fill its threads with collectives the
+other ranks have not reached, which they never will. So in such a graph the function runs behind a
+``tf.data`` iterator, whose ``IteratorGetNext`` is an asynchronous kernel: it hands the call to a
+thread of its own and frees the executor's thread, and every ready collective gets submitted.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from hora.errors import HoraError
 
-SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64,
+SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.uint16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64,
              tf.bool)
 
 ShapeLike = Any  # tf.TensorShape, a list with None for unknown dimensions, or None (unknown rank)
@@ -46,13 +59,90 @@ def _refuse_xla() -> None:
             "or model.compile(..., jit_compile=False) for Keras")
 
 
+def graph_mode() -> bool:
+    """True while building a TensorFlow 1 graph (for a Session), functions nested in one included.
+
+    Not eagerly, and not in a ``tf.function`` called eagerly: there automatic control dependencies
+    keep collectives in program order, and an unnamed one is named when it runs, as eagerly.
+    """
+    return not tf.executing_eagerly() and not tf.compat.v1.executing_eagerly_outside_functions()
+
+
+# Per outermost graph: how many collectives of each scope and label it holds (see collective_name).
+_NAME_COUNTS: "weakref.WeakKeyDictionary[tf.Graph, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def collective_name(name: str | None, label: str) -> str | None:
+    """``name``, or for an unnamed collective built in a TensorFlow 1 graph a name fixed now.
+
+    That name is ``label`` in the current name scope, numbered by how many collectives with that
+    scope and label the graph has already (``layer/HoraAllreduce``, ``layer/HoraAllreduce_1``...),
+    counted in the outermost graph so that functions nested in it (``tf.cond`` branches) share the
+    count. Ranks that build the same graph get the same names, whatever order they run it in.
+    Elsewhere an unnamed collective stays unnamed (None): it is named when it runs.
+    """
+    if name is not None or not graph_mode():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    outermost = graph
+    while getattr(outermost, "outer_graph", None) is not None:
+        outermost = outermost.outer_graph
+    scope = graph.get_name_scope()
+    base = f"{scope}/{label}" if scope else label
+    counts = _NAME_COUNTS.get(outermost)
+    if counts is None:
+        counts = _NAME_COUNTS[outermost] = {}
+    count = counts.get(base, 0)
+    counts[base] = count + 1
+    return base if count == 0 else f"{base}_{count}"
+
+
+def _no_rewrites() -> tf.data.Options:
+    """The iterator options of a collective op: tf.data's graph rewrites and autotuning cost more
+    than the one-element pipeline they would act on, on every run."""
+    options = tf.data.Options()
+    options.experimental_optimization.apply_default_optimizations = False
+    options.autotune.enabled = False
+    return options
+
+
+def _asynchronous_op(graph_body: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
+                     out_dtypes: Sequence[tf.DType], out_shapes: Sequence[ShapeLike]) -> list[tf.Tensor]:
+    """``graph_body`` as a one-element ``tf.data`` pipeline read by ``IteratorGetNext`` (see the module
+    docstring); a new anonymous iterator each run, so runs share no state."""
+    shapes = [tf.TensorShape(s) for s in out_shapes]
+    carried = list(inputs) if inputs else [tf.constant(0, tf.int8)]  # a dataset element needs a component
+
+    def call(*arrays: tf.Tensor) -> tuple:
+        args = list(arrays) if inputs else []
+        outputs = tf.numpy_function(lambda *a: graph_body(*a[:len(args)]), list(arrays), list(out_dtypes),
+                                    stateful=True)
+        if not isinstance(outputs, (list, tuple)):
+            outputs = [outputs]
+        for output, shape in zip(outputs, shapes):
+            output.set_shape(shape)
+        return tuple(outputs)
+
+    # PyFunc and the tf.data kernels are CPU kernels, wherever the caller placed the collective.
+    with tf.device("/device:CPU:0"):
+        dataset = tf.data.Dataset.from_tensors(tuple(carried)).map(call).with_options(_no_rewrites())
+        iterator = tf.raw_ops.AnonymousIteratorV3(output_types=list(out_dtypes), output_shapes=shapes)
+        made = tf.raw_ops.MakeIterator(dataset=tf.data.experimental.to_variant(dataset), iterator=iterator)
+        with tf.control_dependencies([made]):
+            return list(tf.raw_ops.IteratorGetNext(iterator=iterator, output_types=list(out_dtypes),
+                                                   output_shapes=shapes))
+
+
 def run_numpy(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
-              out_dtypes: Sequence[tf.DType], out_shapes: Sequence[ShapeLike], name: str = "hora") -> list[tf.Tensor]:
+              out_dtypes: Sequence[tf.DType], out_shapes: Sequence[ShapeLike], name: str = "hora",
+              collective: str | None = None) -> list[tf.Tensor]:
     """``body(*arrays) -> arrays`` on ``inputs``' values, as tensors of ``out_dtypes``.
 
-    Eagerly it runs now (errors are raised here, with their own types); in a graph it is one op that
+    Eagerly it runs now (errors are raised here, with their own types); in a graph it is an op that
     runs ``body`` each time the graph runs (errors then surface as ``tf.errors.OpError`` carrying the
-    original message).
+    original message), built in name scope ``name``. ``collective``, the name ``body`` gives its
+    collective, is recorded on the op as attribute ``_hora_collective`` (for the graph's reader:
+    which op is which collective).
     """
     if tf.executing_eagerly():
         results = body(*[t.numpy() for t in inputs])
@@ -63,11 +153,17 @@ def run_numpy(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Ten
         # numpy_function wants exactly the declared dtypes back (0-d results as arrays too)
         return [np.asarray(r, dtype=d.as_numpy_dtype) for r, d in zip(body(*arrays), out_dtypes)]
 
-    outputs = tf.numpy_function(graph_body, list(inputs), list(out_dtypes), stateful=True, name=name)
-    if not isinstance(outputs, (list, tuple)):
-        outputs = [outputs]
-    for output, shape in zip(outputs, out_shapes):
-        output.set_shape(shape)
+    if graph_mode():
+        with tf.name_scope(name):
+            outputs = _asynchronous_op(graph_body, inputs, out_dtypes, out_shapes)
+    else:
+        outputs = tf.numpy_function(graph_body, list(inputs), list(out_dtypes), stateful=True, name=name)
+        if not isinstance(outputs, (list, tuple)):
+            outputs = [outputs]
+        for output, shape in zip(outputs, out_shapes):
+            output.set_shape(shape)
+    if collective is not None:
+        outputs[0].op._set_attr("_hora_collective", attr_value_pb2.AttrValue(s=collective.encode()))
     return list(outputs)
 
 

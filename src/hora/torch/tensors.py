@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 SUPPORTED = (
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
 )
 

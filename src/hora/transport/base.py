@@ -50,6 +50,7 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
         np.uint8,
         np.int8,
         np.int16,
+        np.uint16,
         np.int32,
         np.int64,
         np.float16,

@@ -165,7 +165,7 @@ class MpiCommunicator(MemberCommunicator):
         """(datatype, op) for reducing ``dtype`` with ``op``: MPI's own where defined, else NumPy."""
         MPI = self._MPI
         native = {np.dtype(np.int8): MPI.INT8_T, np.dtype(np.int16): MPI.INT16_T, np.dtype(np.int32): MPI.INT32_T,
-                  np.dtype(np.int64): MPI.INT64_T, np.dtype(np.uint8): MPI.UINT8_T,
+                  np.dtype(np.int64): MPI.INT64_T, np.dtype(np.uint8): MPI.UINT8_T, np.dtype(np.uint16): MPI.UINT16_T,
                   np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}.get(dtype)
         mpi_op = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
                   ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR}[op]
