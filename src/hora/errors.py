@@ -16,6 +16,16 @@ class ConfigError(HoraError, ValueError):
     """A configuration value (environment variable, flag, hostfile line) is malformed."""
 
 
+class UnsupportedOperationError(HoraError, NotImplementedError, ValueError):
+    """A collective was asked for an op a tensor kind or collective cannot take (reducescatter with
+    Min, Max, Product or Adasum; IndexedSlices reduced with those).
+
+    Horovod raises NotImplementedError (TensorFlow) or RuntimeError (torch) there; NotImplementedError
+    is a RuntimeError, so one class matches both bindings' ``except`` clauses, and ValueError keeps
+    the type hora raised before.
+    """
+
+
 class HorovodInternalError(HoraError, RuntimeError):
     """A collective failed because a peer failed or the job is shutting down.
 

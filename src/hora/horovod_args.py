@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
 from hora.basics import ProcessSet
+from hora.errors import UnsupportedOperationError
 from hora.transport.base import ReduceOp
 
 T = TypeVar("T")
@@ -61,7 +62,7 @@ def check_sum_or_average(op: int | None, what: str) -> ReduceOp:
     """``op`` resolved, refusing anything but Sum and Average (reducescatter, sparse gradients)."""
     resolved = resolve_op(op)
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"{what}: hora supports op=Average and op=Sum only")
+        raise UnsupportedOperationError(f"{what}: hora supports op=Average and op=Sum only")
     return resolved
 
 
