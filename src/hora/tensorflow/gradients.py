@@ -20,7 +20,7 @@ from hora import basics, batched, gradient_buckets, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
-from hora.tensorflow.tensors import leading_unknown, run_numpy, to_tensor
+from hora.tensorflow.tensors import collective_name, leading_unknown, run_numpy, to_tensor
 
 
 def _plan_buckets(dense: dict[int, tf.Tensor], names: Sequence[str | None], reduction: GradientReduction,
@@ -74,6 +74,10 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
         dtypes += [values.dtype, indices.dtype]
         shapes += [leading_unknown(values.shape), [None]]
     count = len(grads)
+    # In a TensorFlow 1 graph, unnamed positions are named now, when the graph is built (see
+    # hora.tensorflow.tensors.collective_name); elsewhere when the op runs (batched.start).
+    base = collective_name(None, "HoraAllreduceGradients") if any(n is None for n in names) else None
+    names = [f"{base}.{i}" if n is None and base is not None else n for i, n in enumerate(names)]
     # A bucket is one more position after the list's own, named after its first gradient.
     all_names = list(names) + [f"{names[bucket[0]]}.bucket{len(bucket)}" for bucket in plan]
     units = len(loose) + len(plan)
@@ -100,7 +104,8 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
             out += [values, indices]
         return out
 
-    outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients")
+    recorded = base if base is not None else next((n for n in names if n is not None), None)
+    outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients", collective=recorded)
     result = list(grads)
     with tf.device(device_dense):
         for k, i in enumerate(loose):

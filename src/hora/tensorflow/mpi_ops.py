@@ -7,8 +7,11 @@ and scale factors; allgather and broadcast average it across ranks (broadcast ke
 only, allgather keeps this rank's rows); alltoall sends it back whence the rows came; reducescatter
 gathers it, scaled by the set size for Sum. ``name=None`` names a collective by its place in the
 sequence of unnamed collectives, so ranks must then issue them in the same order (a ``tf.function``
-runs them in program order). ``device_*`` place the surrounding TensorFlow ops, as in Horovod;
-``ignore_name_scope`` is accepted and has no effect (hora's names carry no TF name scope).
+runs them in program order); in a TensorFlow 1 graph, whose Session runs ops in any order, it is
+named when the graph is built instead, from its name scope (see
+:func:`hora.tensorflow.tensors.collective_name`), and each op records its name in attribute
+``_hora_collective``. ``device_*`` place the surrounding TensorFlow ops, as in Horovod;
+``ignore_name_scope`` is accepted and has no effect (a name given is used as it is).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import tensorflow as tf
 from hora import basics, batched, collectives
 from hora.basics import Average, ProcessSet, Sum, global_process_set
 from hora.compression import Compression
+from hora.engine.request import Kind
 from hora.horovod_args import GradientReduction, check_sum_or_average, resolve_op
 from hora.tensorflow.gradients import allreduce_list
-from hora.tensorflow.tensors import leading_unknown, run_numpy, to_tensor
+from hora.tensorflow.tensors import collective_name, graph_mode, leading_unknown, run_numpy, to_tensor
 
 
 def _upstream(dy: tf.Tensor | None, like: tf.Tensor) -> tf.Tensor:
@@ -45,6 +49,8 @@ def _compressed(tensors: Sequence[Any], device: str, compression,
 def _allreduce_many(tensors: Sequence[tf.Tensor], name: str | None, op: int, pre: float, post: float,
                     process_set: ProcessSet, grouped: bool) -> list[tf.Tensor]:
     """Reduce tensors in one op: as one fused unit (``grouped``) or as separate requests."""
+    label = "HoraGroupedAllreduce" if grouped else "HoraAllreduce"
+    name = collective_name(name, label)
 
     @tf.custom_gradient
     def forward(*xs):
@@ -53,7 +59,7 @@ def _allreduce_many(tensors: Sequence[tf.Tensor], name: str | None, op: int, pre
                 return collectives.grouped_allreduce(list(arrays), None, name, op, pre, post, process_set)
             return [collectives.allreduce(arrays[0], None, name, op, pre, post, process_set)]
 
-        ys = run_numpy(body, xs, [x.dtype for x in xs], [x.shape for x in xs], name="HoraAllreduce")
+        ys = run_numpy(body, xs, [x.dtype for x in xs], [x.shape for x in xs], name=label, collective=name)
 
         def grad(*dys):
             return _allreduce_many([_upstream(d, x) for d, x in zip(dys, xs)], None, op, pre, post, process_set,
@@ -120,23 +126,29 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 def _gather_grad(dys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], process_set: ProcessSet) -> list[tf.Tensor]:
     """Horovod's allgather gradient: average the upstream gradients, keep this rank's rows."""
     rows = [tf.shape(x)[:1] if x.shape.rank else tf.constant([1]) for x in xs]
+    name = collective_name(None, "HoraAllgatherGrad")
+    averaged, dims_name = (f"{name}.average", f"{name}.rows") if name is not None else (None, None)
 
     def body(*arrays):
         half = len(arrays) // 2
-        summed = collectives.grouped_allreduce(list(arrays[:half]), op=Average, process_set=process_set)
+        summed = collectives.grouped_allreduce(list(arrays[:half]), name=averaged, op=Average,
+                                               process_set=process_set)
         dims = collectives.allgather(np.concatenate([np.asarray(a, np.int64).reshape(1) for a in arrays[half:]])
-                                     .reshape(1, -1), process_set=process_set)
+                                     .reshape(1, -1), name=dims_name, process_set=process_set)
         me = process_set.ranks.index(basics.rank())
         offsets = dims[:me].sum(0)
         return [g[o:o + int(n)] for g, o, n in zip(summed, offsets, dims[me])]
 
     grads = run_numpy(body, list(dys) + rows, [d.dtype for d in dys], [leading_unknown(x.shape) for x in xs],
-                      name="HoraAllgatherGrad")
+                      name="HoraAllgatherGrad", collective=name)
     return [tf.reshape(g, tf.shape(x)) for g, x in zip(grads, xs)]
 
 
 def _allgather_many(tensors: Sequence[tf.Tensor], name: str | None, process_set: ProcessSet,
                     grouped: bool) -> list[tf.Tensor]:
+    label = "HoraGroupedAllgather" if grouped else "HoraAllgather"
+    name = collective_name(name, label)
+
     @tf.custom_gradient
     def forward(*xs):
         def body(*arrays):
@@ -144,7 +156,8 @@ def _allgather_many(tensors: Sequence[tf.Tensor], name: str | None, process_set:
                 return collectives.grouped_allgather(list(arrays), name, process_set)
             return [collectives.allgather(arrays[0], name, process_set)]
 
-        ys = run_numpy(body, xs, [x.dtype for x in xs], [leading_unknown(x.shape) for x in xs], name="HoraAllgather")
+        ys = run_numpy(body, xs, [x.dtype for x in xs], [leading_unknown(x.shape) for x in xs], name=label,
+                       collective=name)
 
         def grad(*dys):
             return _gather_grad([_upstream(d, y) for d, y in zip(dys, ys)], xs, process_set)
@@ -172,11 +185,12 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
+    name = collective_name(name, "HoraBroadcast")
 
     @tf.custom_gradient
     def forward(x):
         y = run_numpy(lambda a: [collectives.broadcast(a, root_rank, name, process_set)], [x], [x.dtype], [x.shape],
-                      name="HoraBroadcast")[0]
+                      name="HoraBroadcast", collective=name)[0]
 
         def grad(dy):
             averaged = _allreduce_many([_upstream(dy, y)], None, Average, 1.0, 1.0, process_set, False)[0]
@@ -189,10 +203,18 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list:
-    """Overwrite each variable with ``root_rank``'s value, in place; returns the variables."""
+    """Overwrite each variable with ``root_rank``'s value, in place.
+
+    Eagerly and inside ``tf.function`` the assignments are done (or run by automatic control
+    dependencies) and the variables are returned. In a TensorFlow 1 graph nothing runs until a
+    Session runs it, so, as in Horovod, it returns the updated values: tensors whose evaluation
+    broadcasts and assigns, then reads the variable.
+    """
     variables = list(variables)
-    assign_from_root(variables, root_rank, name, process_set)
-    return variables
+    assignments = assign_from_root(variables, root_rank, name, process_set)
+    if not graph_mode():
+        return variables
+    return [tf.identity(a) for a in assignments]
 
 
 def assign_from_root(variables: Sequence[Any], root_rank: int, name: str | None = None,
@@ -206,11 +228,13 @@ def assign_from_root(variables: Sequence[Any], root_rank: int, name: str | None 
     if not variables:
         return []
     values = [to_tensor(v, "variable") for v in variables]
+    name = collective_name(name, "HoraBroadcastInplace")
 
     def body(*arrays):
         return batched.broadcast_arrays(arrays, root_rank, process_set, name)
 
-    results = run_numpy(body, values, [v.dtype for v in values], [v.shape for v in values], name="HoraBroadcastInplace")
+    results = run_numpy(body, values, [v.dtype for v in values], [v.shape for v in values], name="HoraBroadcastInplace",
+                        collective=name)
     return [variable.assign(result) for variable, result in zip(variables, results)]
 
 
@@ -218,13 +242,14 @@ def assign_from_root(variables: Sequence[Any], root_rank: int, name: str | None 
 
 def _alltoall(x: tf.Tensor, splits: tf.Tensor | None, name: str | None, process_set: ProcessSet):
     inputs = [x] if splits is None else [x, tf.cast(splits, tf.int64)]
+    name = collective_name(name, "HoraAlltoall")
 
     def body(array, split_array=None):
         output, received = collectives.alltoall_async(array, split_array, name, process_set).wait()
         return [output, np.asarray(received, np.int32)]
 
     return run_numpy(body, inputs, [x.dtype, tf.int32], [leading_unknown(x.shape), [len(process_set.ranks)]],
-                     name="HoraAlltoall")
+                     name="HoraAlltoall", collective=name)
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
@@ -262,6 +287,9 @@ def _scatter_shape(x: tf.Tensor, process_set: ProcessSet) -> Any:
 
 def _reducescatter_many(tensors: Sequence[tf.Tensor], name: str | None, op: int, process_set: ProcessSet,
                         pre: float, post: float, grouped: bool) -> list[tf.Tensor]:
+    label = "HoraGroupedReducescatter" if grouped else "HoraReducescatter"
+    name = collective_name(name, label)
+
     @tf.custom_gradient
     def forward(*xs):
         def body(*arrays):
@@ -270,7 +298,7 @@ def _reducescatter_many(tensors: Sequence[tf.Tensor], name: str | None, op: int,
             return [collectives.reducescatter(arrays[0], name, op, process_set, pre, post)]
 
         ys = run_numpy(body, xs, [x.dtype for x in xs], [_scatter_shape(x, process_set) for x in xs],
-                       name="HoraReducescatter")
+                       name=label, collective=name)
 
         def grad(*dys):
             # Horovod's convention: gather the blocks' gradients, scaled as the forward pass scaled
@@ -314,8 +342,16 @@ def barrier(process_set: ProcessSet = global_process_set) -> tf.Tensor | None:
     if tf.executing_eagerly():
         collectives.barrier(process_set)
         return None
-    return run_numpy(lambda: [np.int32(collectives.barrier(process_set) or 0)], [], [tf.int32], [[]],
-                     name="HoraBarrier")[0]
+    name = collective_name(None, "HoraBarrier")
+
+    def body():
+        if name is None:
+            collectives.barrier(process_set)
+        else:
+            collectives.synchronize(basics.submit_control(Kind.BARRIER, name, process_set))
+        return [np.int32(0)]
+
+    return run_numpy(body, [], [tf.int32], [[]], name="HoraBarrier", collective=name)[0]
 
 
 def join() -> tf.Tensor:

@@ -69,7 +69,7 @@ def graph_mode() -> bool:
 
 
 # Per outermost graph: how many collectives of each scope and label it holds (see collective_name).
-_NAME_COUNTS: "weakref.WeakKeyDictionary[tf.Graph, dict[str, int]]" = weakref.WeakKeyDictionary()
+_NAME_COUNTS: weakref.WeakKeyDictionary[tf.Graph, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 def collective_name(name: str | None, label: str) -> str | None:
@@ -111,11 +111,11 @@ def _asynchronous_op(graph_body: Callable[..., list[np.ndarray]], inputs: Sequen
     """``graph_body`` as a one-element ``tf.data`` pipeline read by ``IteratorGetNext`` (see the module
     docstring); a new anonymous iterator each run, so runs share no state."""
     shapes = [tf.TensorShape(s) for s in out_shapes]
+    count = len(inputs)
     carried = list(inputs) if inputs else [tf.constant(0, tf.int8)]  # a dataset element needs a component
 
     def call(*arrays: tf.Tensor) -> tuple:
-        args = list(arrays) if inputs else []
-        outputs = tf.numpy_function(lambda *a: graph_body(*a[:len(args)]), list(arrays), list(out_dtypes),
+        outputs = tf.numpy_function(lambda *a: graph_body(*a[:count]), list(arrays), list(out_dtypes),
                                     stateful=True)
         if not isinstance(outputs, (list, tuple)):
             outputs = [outputs]
