@@ -8,19 +8,26 @@ Keras 2 has two optimizer families, and hora wraps both as Horovod does:
 - ``tf_keras.optimizers.*`` (the newer optimizers): ``compute_gradients``, which ``minimize`` and
   ``model.fit`` call, does the same.
 
+Horovod's Keras 2 tests (and scripts written against them) call ``_compute_gradients(loss,
+var_list, grad_loss=None, tape=None)`` directly, whichever family the optimizer is; the newer family
+has no such method of its own, so the wrapper supplies it there.
+
 ``apply_gradients`` reduces gradients that did not come through those (a custom loop's own
 ``tape.gradient``): Horovod leaves them unreduced there, which silently trains each rank on its own
 data; hora reduces them once, wherever they enter. The reduction is hora.tensorflow's (one op in the
 step Keras compiles; dense gradients in flat buckets of :mod:`hora.gradient_buckets`, one engine
-request each; IndexedSlices gathered, or densified with ``sparse_as_dense``) and local
-aggregation over ``backward_passes_per_step`` is hora.tensorflow's TensorFlow 1 aggregator (the
-same semantics: sums in local variables, the k-th pass reduces and applies, the others only count
-``iterations``). Variables given to ``register_local_var`` keep their own gradient on each rank.
+request each; IndexedSlices gathered, or densified with ``sparse_as_dense``). Variables given to
+``register_local_var`` keep their own gradient on each rank.
+
+Local aggregation over ``backward_passes_per_step`` follows the helper Horovod picks when the
+optimizer is wrapped: while executing eagerly (every TensorFlow 2 program, also when the steps later
+run inside ``tf.function``) :class:`EagerAggregation`, Horovod's eager helper; in a TensorFlow 1
+graph hora.tensorflow's graph aggregator, Horovod's graph helper.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 import tf_keras
@@ -41,11 +48,129 @@ def is_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, (NEW, LEGACY))
 
 
+class EagerAggregation:
+    """Local gradient aggregation with the semantics of Horovod's eager helper, which Horovod's Keras
+    wrapper uses in every TensorFlow 2 program.
+
+    Each pass adds its gradients to per-variable sums and counts; the pass that brings the count to
+    ``passes`` reduces the sums across ranks, clears them and resets the count at once, so an
+    infinite or NaN gradient of one cycle never reaches the next. The other passes return this rank's
+    running sums (not reduced), and ``apply_gradients`` applies only right after a reduction, the
+    other passes counting ``iterations`` alone. ``counter`` and ``locally_aggregated_grads`` carry
+    the names of Horovod's helper because Horovod's tests read them. Ops, not Python branches, so the
+    same code runs eagerly and inside the ``tf.function`` Keras compiles; the variables are made
+    outside any function (``tf.init_scope``), once per model variable, and live outside the optimizer
+    so saved optimizers load without hora.
+    """
+
+    def __init__(self, passes: int, average: bool, sparse_as_dense: bool,
+                 reduce: Callable[[list, list], list], name: str) -> None:
+        self.passes, self.average, self.sparse_as_dense = passes, average, sparse_as_dense
+        self.reduce, self.name = reduce, name
+        with tf.init_scope():
+            self.counter = tf.Variable(0, dtype=tf.int32, trainable=False, name=f"{name}_aggregation_counter")
+        self.locally_aggregated_grads: dict[Any, tf.Variable] = {}  # model variable's ref -> its running sum
+
+    def _dense(self, grad: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            if not self.sparse_as_dense:
+                raise ValueError("IndexedSlices gradients cannot be aggregated locally with backward_passes_per_step "
+                                 "> 1 unless sparse_as_dense=True (as in Horovod)")
+            return tf.convert_to_tensor(grad)
+        return grad
+
+    def _sum_for(self, variable: Any, grad: Any) -> tf.Variable:
+        total = self.locally_aggregated_grads.get(variable.ref())
+        if total is None:
+            shape = variable.shape if variable.shape.is_fully_defined() else grad.shape
+            if not shape.is_fully_defined():
+                raise ValueError(f"backward_passes_per_step > 1 needs variables of known shape; "
+                                 f"{getattr(variable, 'name', variable)} has shape {shape}")
+            with tf.init_scope():
+                total = tf.Variable(tf.zeros(shape, grad.dtype), trainable=False,
+                                    name=f"{self.name}_aggregated_grad")
+            self.locally_aggregated_grads[variable.ref()] = total
+        return total
+
+    def compute_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list:
+        """This pass's gradients added to the sums: the running sums, or on every k-th pass the sums
+        reduced across ranks (divided by k with ``average_aggregated_gradients``)."""
+        grads = [None if g is None else self._dense(g) for g in grads]
+        variables = list(variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
+        sums = [self._sum_for(variables[i], grads[i]) for i in present]
+        added = [total.assign_add(grads[i]) for total, i in zip(sums, present)]
+        with tf.control_dependencies(added):
+            running = [total.read_value() for total in sums]
+            counted = self.counter.assign_add(1)
+
+        def reduce_and_clear() -> list:
+            reduced = self.reduce(running, [variables[i] for i in present])
+            if self.average:
+                reduced = [r / tf.cast(self.passes, r.dtype) for r in reduced]
+            with tf.control_dependencies(reduced):
+                cleared = [total.assign(tf.zeros_like(total)) for total in sums] + [self.counter.assign(0)]
+            with tf.control_dependencies(cleared):
+                return [tf.identity(r) for r in reduced]
+
+        def keep_running() -> list:
+            return [tf.identity(t) for t in running]
+
+        with tf.control_dependencies([counted]):
+            chosen = tf.cond(tf.equal(self.counter.read_value(), self.passes), reduce_and_clear, keep_running)
+        if not isinstance(chosen, (list, tuple)):
+            chosen = [chosen]
+        out: list = [None] * len(grads)
+        for i, g in zip(present, chosen):
+            out[i] = g
+        return out
+
+    def apply_gradients(self, apply: Callable[[], Any], grads: Sequence[Any], iterations: Any) -> Any:
+        """Run ``apply`` right after a reduction; otherwise only count ``iterations``."""
+
+        def skip():
+            return tf.group(iterations.assign_add(tf.ones([], iterations.dtype.base_dtype)))
+
+        def run_apply():
+            return tf.group(apply())
+
+        deps = [g for g in grads if isinstance(g, tf.Tensor)]
+        with tf.control_dependencies(deps):
+            return tf.cond(tf.equal(self.counter.read_value(), 0), run_apply, skip)
+
+
+def _tape_gradients(loss: Any, var_list: Any, grad_loss: Any, tape: Any) -> list[tuple[Any, Any]]:
+    """(gradient, variable) pairs of ``loss`` the way Keras 2's legacy ``_compute_gradients`` makes
+    them (a callable loss run under ``tape``, ``var_list`` flattened, ``grad_loss`` as the output
+    gradient), for the newer family, whose ``compute_gradients`` takes no ``grad_loss``."""
+    if not callable(loss) and tape is None:
+        raise ValueError(f"`tape` is required when a `Tensor` loss is passed. Received: loss={loss}, tape={tape}.")
+    tape = tape if tape is not None else tf.GradientTape()
+    if callable(loss):
+        with tape:
+            if not callable(var_list):
+                tape.watch(var_list)
+            loss = loss()
+            if callable(var_list):
+                var_list = var_list()
+    var_list = tf.nest.flatten(var_list)
+    grads = tape.gradient(loss, var_list, output_gradients=grad_loss)
+    return list(zip(grads, var_list))
+
+
 class _DistributedKeras2Optimizer(ReducesGradients):
     """Mixed in before the wrapped tf_keras optimizer's class."""
 
-    _hora_aggregator: V1GradientAggregator | None = None
+    _hora_aggregator: EagerAggregation | V1GradientAggregator | None = None
     _hora_reduced_pending = False  # compute_gradients reduced the gradients apply_gradients will get
+
+    @property
+    def _agg_helper(self) -> EagerAggregation | V1GradientAggregator | None:
+        """The local aggregation of ``backward_passes_per_step`` > 1 (None without): Horovod's
+        attribute name, which Horovod's Keras tests read (``opt._agg_helper.counter``)."""
+        return self._hora_aggregator
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (with ``scale_local_gradients``,
@@ -62,10 +187,15 @@ class _DistributedKeras2Optimizer(ReducesGradients):
         object.__setattr__(self, "_hora_reduced_pending", True)
         return list(zip(grads, variables))
 
-    # the legacy family (OptimizerV2)
+    # the legacy family's hook (OptimizerV2), and Horovod's spelling for either family
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-        """The wrapped optimizer's (gradient, variable) pairs, gradients averaged across ranks."""
-        return self._hora_pairs(super()._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape))
+        """The (gradient, variable) pairs of ``loss``, gradients averaged across ranks (with
+        ``backward_passes_per_step`` > 1: summed locally, and reduced on every k-th pass)."""
+        if isinstance(self, LEGACY):
+            pairs = super()._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+        else:
+            pairs = _tape_gradients(loss, var_list, grad_loss, tape)
+        return self._hora_pairs(pairs)
 
     def get_gradients(self, loss, params):
         """Graph-mode gradients of ``loss``, averaged across ranks (legacy optimizers)."""
@@ -151,8 +281,11 @@ def wrap(optimizer: Any, in_place: bool, name: str | None = None, device_dense: 
     object.__setattr__(wrapped, "_hora_reduced_pending", False)
     wrapped._hora_bind(allreducer, getattr(optimizer, "_hora_local", ()), scale_local_gradients, process_set)
     if passes > 1:
-        object.__setattr__(wrapped, "_hora_aggregator", V1GradientAggregator(
-            passes, average_aggregated_gradients, sparse_as_dense, wrapped._hora_reduce, prefix))
+        # Horovod decides by where the optimizer is wrapped, and so does hora: a TensorFlow 1 graph
+        # gets the graph aggregator (its variables in that graph's LOCAL_VARIABLES).
+        helper = EagerAggregation if tf.executing_eagerly() else V1GradientAggregator
+        object.__setattr__(wrapped, "_hora_aggregator", helper(
+            passes, bool(average_aggregated_gradients), sparse_as_dense, wrapped._hora_reduce, prefix))
     return wrapped
 
 
