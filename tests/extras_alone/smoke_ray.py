@@ -1,0 +1,56 @@
+"""The ray extra alone: hora.ray's RayExecutor starts a 2-worker hora job on a local Ray (2 CPUs)
+and runs a function that reduces across the workers; run as plain ``python smoke_ray.py`` (Ray, not
+``hora run``, starts the workers).
+
+The function is defined here, in ``__main__``, so cloudpickle ships it by value: the Ray workers
+need nothing from this folder on their path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import ray
+
+from hora.ray import RayExecutor
+
+
+def report(record: dict) -> None:
+    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
+    line printed as text, then newline, around another rank's tag."""
+    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def reduce_on_each_worker() -> dict[str, Any]:
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    summed = hora.allreduce(np.array([1.0 + hora.rank(), 10.0]), op=hora.Sum, name="smoke.sum")
+    gathered = hora.allgather_object(os.getpid())
+    return {"rank": hora.rank(), "size": hora.size(), "sum": summed.tolist(), "pids": gathered}
+
+
+def main() -> None:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
+        executor.start()
+        try:
+            results = executor.run(reduce_on_each_worker)
+        finally:
+            executor.shutdown()
+    finally:
+        ray.shutdown()
+    for result in results:
+        result["driver_pid"] = os.getpid()
+        report(result)
+
+
+if __name__ == "__main__":
+    main()
