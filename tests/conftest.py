@@ -40,3 +40,63 @@ def _no_initialised_hora_across_modules() -> Iterator[None]:
     hands it to the next module."""
     yield
     hora.shutdown()
+
+
+#: The modules left out of the fast tier (``scripts/test --fast``, ``-m "not slow"``): the slowest ones
+#: of a full run's ``--durations``, which together took nine tenths of its time. CI runs everything.
+SLOW_MODULES = frozenset({
+    "adasum/test_adasum_torch.py",
+    "bench/test_bench_cli.py",
+    "cluster/test_cluster_elastic.py",
+    "deploy/test_deploy_discover.py",
+    "deploy/test_deploy_entrypoint.py",
+    "elastic/test_driver_faults.py",
+    "elastic/test_driver_tensorflow.py",
+    "elastic/test_elastic_convergence.py",
+    "elastic/test_keras_elastic.py",
+    "elastic/test_tensorflow_elastic.py",
+    "elastic/test_torch_elastic.py",
+    "engine/test_autotune.py",
+    "engine/test_timeline_report.py",
+    "examples/test_elastic_examples.py",
+    "examples/test_examples.py",
+    "hora_jax/test_jax_collectives.py",
+    "hora_jax/test_jax_keras_backend.py",
+    "hora_jax/test_jax_optimizer.py",
+    "hora_lightning/test_strategy.py",
+    "hora_mxnet/test_mxnet_collectives.py",
+    "hora_mxnet/test_mxnet_example.py",
+    "hora_ray/test_ray_cluster.py",
+    "hora_ray/test_ray_elastic.py",
+    "hora_ray/test_ray_example.py",
+    "hora_ray/test_ray_executor.py",
+    "hora_tensorflow/test_keras_torch_backend.py",
+    "hora_tensorflow/test_keras_training.py",
+    "hora_tensorflow/test_tf_api.py",
+    "hora_tensorflow/test_tf_collectives.py",
+    "hora_tensorflow/test_tf_grad_buckets.py",
+    "hora_tensorflow/test_tf_graph_mode.py",
+    "hora_tensorflow/test_tf_v1_and_more.py",
+    "hora_tf_keras/test_tf_keras_aggregation.py",
+    "hora_tf_keras/test_tf_keras_grad_buckets.py",
+    "hora_tf_keras/test_tf_keras_training.py",
+    "hora_torch/test_torch_optimizer.py",
+    "mpi/test_mpi_jobs.py",
+    "mpi/test_mpi_slurm.py",
+    "spark/test_keras_estimator.py",
+    "spark/test_lightning_estimator.py",
+    "spark/test_spark_elastic.py",
+    "spark/test_spark_run.py",
+    "spark/test_torch_estimator.py",
+    "transport/test_conformance.py",
+    "transport/test_peer_failure.py",
+    "transport/test_scaling_transport.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        relative = os.path.relpath(str(item.path), tests_dir)
+        if relative in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
