@@ -160,7 +160,8 @@ def test_adasum_bad_input_fails_on_every_rank_naming_it(job: JobResults) -> None
         for label in ("int", "bool"):
             assert errors[label] and errors[label].startswith("TypeError: rank "), errors
             assert f"rank {rank}:" in errors[label] and "Adasum" in errors[label], errors[label]
-        assert errors["reducescatter"] == "ValueError: reducescatter: hora supports op=Average and op=Sum only"
+        assert errors["reducescatter"] == (
+            "UnsupportedOperationError: reducescatter: hora supports op=Average and op=Sum only")
 
 
 # ---- two emulated hosts (2 + 2 and 2 + 1 ranks): hierarchical, then flat -------------------------
