@@ -36,7 +36,7 @@ from hora import basics, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.keras_wrapper import as_instance_of
-from hora.tensorflow.aggregation import V1GradientAggregator
+from hora.tensorflow.aggregation import V1GradientAggregator, dense_for_aggregation
 from hora.tensorflow.gradients import GradientAllreducer, ReducesGradients
 
 NEW = tf_keras.optimizers.Optimizer
@@ -72,12 +72,7 @@ class EagerAggregation:
         self.locally_aggregated_grads: dict[Any, tf.Variable] = {}  # model variable's ref -> its running sum
 
     def _dense(self, grad: Any) -> Any:
-        if isinstance(grad, tf.IndexedSlices):
-            if not self.sparse_as_dense:
-                raise ValueError("IndexedSlices gradients cannot be aggregated locally with backward_passes_per_step "
-                                 "> 1 unless sparse_as_dense=True (as in Horovod)")
-            return tf.convert_to_tensor(grad)
-        return grad
+        return dense_for_aggregation(grad, self.sparse_as_dense)
 
     def _sum_for(self, variable: Any, grad: Any) -> tf.Variable:
         total = self.locally_aggregated_grads.get(variable.ref())

@@ -27,6 +27,16 @@ import tensorflow as tf
 Reduce = Callable[[list, list], list]  # (gradients, variables) -> gradients reduced across ranks
 
 
+
+def dense_for_aggregation(grad: Any, sparse_as_dense: bool) -> Any:
+    """A gradient fit for a local running sum: IndexedSlices only densified, and only when asked (Horovod's rule)."""
+    if isinstance(grad, tf.IndexedSlices):
+        if not sparse_as_dense:
+            raise ValueError("IndexedSlices gradients cannot be aggregated locally with backward_passes_per_step "
+                             "> 1 unless sparse_as_dense=True (as in Horovod)")
+        return tf.convert_to_tensor(grad)
+    return grad
+
 class V1GradientAggregator:
     """Sums gradients locally over ``backward_passes_per_step`` passes, then reduces them once."""
 
@@ -43,12 +53,7 @@ class V1GradientAggregator:
     # ---- variables --------------------------------------------------------------------------------
 
     def _dense(self, grad: Any) -> Any:
-        if isinstance(grad, tf.IndexedSlices):
-            if not self.sparse_as_dense:
-                raise ValueError("IndexedSlices gradients cannot be aggregated locally with backward_passes_per_step "
-                                 "> 1 unless sparse_as_dense=True (as in Horovod)")
-            return tf.convert_to_tensor(grad)
-        return grad
+        return dense_for_aggregation(grad, self.sparse_as_dense)
 
     def _variables_for(self, grads: Sequence[Any], variables: Sequence[Any]) -> tuple[tf.Variable, list]:
         """The counter and one accumulator per non-None gradient, made once per graph and variable list."""
