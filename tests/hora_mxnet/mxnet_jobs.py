@@ -19,6 +19,15 @@ def _error(call) -> str | None:
     return None
 
 
+def _error_bases(call) -> list[str] | None:
+    """The built-in exception types the error ``call`` raises is an instance of (Horovod's types)."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the types are what the tests check
+        return sorted(c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins")
+    return None
+
+
 def collectives() -> list:
     import mxnet as mx
 
@@ -94,6 +103,7 @@ def collectives() -> list:
                 "not_ndarray": _error(lambda: hvd.allreduce(np.ones(2))),
                 "bad_root": _error(lambda: hvd.broadcast(x, root_rank=n + 3)),
                 "reducescatter_max": _error(lambda: hvd.reducescatter(x, op=hvd.Max)),
+                "reducescatter_max_bases": _error_bases(lambda: hvd.reducescatter(x, op=hvd.Max)),
             },
         }
 

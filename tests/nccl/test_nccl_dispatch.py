@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from hora.engine.coordinator import Response
 from hora.engine.executor import Item

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from hora.nccl import fusion
 from hora.nccl.device_tensor import DL_CPU, DL_CUDA, DL_CUDA_MANAGED, device_of

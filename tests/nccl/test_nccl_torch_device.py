@@ -7,7 +7,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from hora.engine.request import Kind
 from hora.nccl import context
