@@ -26,6 +26,18 @@ class UnsupportedOperationError(HoraError, NotImplementedError, ValueError):
     """
 
 
+class CollectivePreconditionError(HoraError, RuntimeError):
+    """The ranks' requests for one collective cannot be carried out together: they disagree on its
+    shape, dtype, op, root rank, splits or process set, or it is not allowed while ranks have joined.
+
+    Raised on every rank of the collective, with every rank's value in the message. Horovod reports
+    these as a RuntimeError in torch and MXNet and as ``tf.errors.FailedPreconditionError`` in
+    TensorFlow; hora.tensorflow raises a subclass of both this and that (see
+    ``hora.tensorflow.error_types``). Not a HorovodInternalError: restarting the world would not
+    make the ranks agree, so elastic training must not retry it.
+    """
+
+
 class HorovodInternalError(HoraError, RuntimeError):
     """A collective failed because a peer failed or the job is shutting down.
 

@@ -114,7 +114,7 @@ def test_steps_are_correct_under_every_configuration_world_size_2(knobs, label):
             assert reduced.dtype == (np.float64 if step % 3 else np.float32)
             np.testing.assert_array_equal(reduced, np.full(step % 2 + 2, 2.0))
         kind, message = battery["cached_mismatch"]
-        assert kind == "RuntimeError" and "shapes" in message and "[3]" in message and "[4]" in message
+        assert kind == "CollectivePreconditionError" and "shapes" in message and "[3]" in message and "[4]" in message
         for value in battery["after_mismatch"]:
             np.testing.assert_array_equal(value, [2.0, 2.0, 2.0])
         for step, value in enumerate(battery["broadcast"]):

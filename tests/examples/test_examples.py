@@ -103,6 +103,26 @@ def test_tensorflow2_keras_mnist_fit_with_callbacks(backend):
     assert not [line for line in out.splitlines() if line.startswith("[1]<stdout>:") and "Epoch" in line], out
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_tensorflow1_monitored_training_session_mnist(workers):
+    """examples/tensorflow_mnist.py: a tf.compat.v1 graph, MonitoredTrainingSession,
+    BroadcastGlobalVariablesHook and a v1 optimizer wrapped by DistributedOptimizer; each step's
+    session.run evaluates the gradients' allreduces and two metric allreduces at once."""
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("sklearn")
+    out = _run(["-m", "hora", "run", "-np", str(workers), "python", "examples/tensorflow_mnist.py", "--epochs", "4",
+                "--log-every", "10"]).stdout
+    lines = _rank0_lines(out)
+    steps = 4 * (1437 // workers // 32)
+    logged = [re.fullmatch(rf"step (\d+)/{steps}: loss ([0-9.]+), accuracy ([0-9.]+)", line) for line in lines]
+    logged = [m for m in logged if m]
+    assert [int(m.group(1)) for m in logged] == list(range(10, steps + 1, 10)), out
+    assert float(logged[-1].group(2)) < float(logged[0].group(2)), out  # the averaged loss went down
+    final = re.search(rf"Final test accuracy: ([0-9.]+)% after 4 epoch\(s\) \({steps} steps\)", out)
+    assert final and float(final.group(1)) >= 90.0, out  # the Keras example's level; chance is 10%
+    assert f"on {workers} worker(s)" in out, out
+
+
 def test_tensorflow2_mnist_gradient_tape():
     pytest.importorskip("tensorflow")
     pytest.importorskip("sklearn")

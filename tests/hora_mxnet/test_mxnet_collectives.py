@@ -109,7 +109,7 @@ def test_bad_input_errors_on_every_rank_and_the_next_collective_works(jobs, size
             assert f"rank {r} on " in got[key] and "sparse" in got[key] and "tostype('default')" in got[key]
         assert "'csr'" in got["csr"] and "'row_sparse'" in got["row_sparse"]
         np.testing.assert_array_equal(got["after_sparse"], np.full((3, 2), float(size)))
-        assert got["mismatch"].startswith("RuntimeError") and "mismatch" in got["mismatch"]
+        assert got["mismatch"].startswith("CollectivePreconditionError") and "mismatch" in got["mismatch"]
         assert "rank 0 has [2], rank 1 has [3]" in got["mismatch"]
-        assert got["mismatch_dtype"].startswith("RuntimeError")
+        assert got["mismatch_dtype"].startswith("CollectivePreconditionError")
         np.testing.assert_array_equal(got["after_mismatch"], [float(size)] * 2)

@@ -448,9 +448,11 @@ def test_gradients_follow_horovods_conventions_2ranks(ranks2):
 def test_mismatched_shapes_raise_on_every_rank_2ranks(ranks2):
     for r in range(2):
         got = ranks2.get("mismatch", r)
-        assert got["eager"] is not None and got["eager"][0] == "RuntimeError", got["eager"]
-        # inside a graph the engine's error surfaces as a TensorFlow OpError carrying its message
-        assert got["graph"] is not None and "mismatch.graph" in got["graph"][1], got["graph"]
+        # Horovod's tf.errors.FailedPreconditionError, which is also a RuntimeError in hora
+        assert got["eager"] is not None and got["eager"][0] == "HoraFailedPreconditionError", got["eager"]
+        # inside a graph too (TensorFlow would report an UnknownError), carrying the engine's message
+        assert got["graph"] is not None and got["graph"][0] == "HoraFailedPreconditionError", got["graph"]
+        assert "mismatch.graph" in got["graph"][1], got["graph"]
         close(got["after"], np.array([2.0, 2.0], np.float32))
 
 

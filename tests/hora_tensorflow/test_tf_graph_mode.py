@@ -241,7 +241,43 @@ def _job() -> list:
                 values = session.run({"a": a, "b": b, "c": c, "d": d, "e": e, "grad": grad})
             return {"names": recorded_names(graph), "values": values}
 
+    # ---- collectives the ranks disagree on: Horovod's FailedPreconditionError ------------------
+
+    def caught(call) -> dict | None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+            return {"type": type(exc).__name__,
+                    "failed_precondition": isinstance(exc, tf.errors.FailedPreconditionError),
+                    "runtime_error": isinstance(exc, RuntimeError), "message": str(exc)[:3000]}
+        return None
+
+    def mismatches():
+        """Each disagreement (shape, dtype, root rank, trailing shape) eagerly, in a tf.function and in
+        a Session graph; after them, several collectives in one session.run still work."""
+        cases = {
+            "shape": lambda tag: hvd.allreduce(tf.ones([2 + r]), name=f"bad.shape.{tag}"),
+            "dtype": lambda tag: hvd.allreduce(tf.ones([2], tf.float32 if r == 0 else tf.float64),
+                                               name=f"bad.dtype.{tag}"),
+            "root": lambda tag: hvd.broadcast(tf.ones([2]), root_rank=r, name=f"bad.root.{tag}"),
+            "columns": lambda tag: hvd.allgather(tf.ones([1, 1 + r]), name=f"bad.columns.{tag}"),
+        }
+        out = {}
+        for case, build in cases.items():
+            out[f"eager.{case}"] = caught(lambda build=build: build("eager"))
+            out[f"function.{case}"] = caught(lambda build=build: tf.function(lambda: build("function"))())
+
+            def in_graph(build=build):
+                with tf.Graph().as_default(), v1.Session() as session:
+                    session.run(build("graph"))
+            out[f"graph.{case}"] = caught(in_graph)
+        with tf.Graph().as_default(), v1.Session() as session:
+            x = tf.constant([1.0, 2.0]) * (r + 1)
+            out["after"] = session.run([hvd.allreduce(x, op=hvd.Sum), hvd.allgather(x), hvd.broadcast(x, 0)])
+        return out
+
     return [
+        ("mismatches", mismatches),
         ("eager_unnamed", eager_unnamed),
         ("function_unnamed", function_unnamed),
         ("names", names),
@@ -376,3 +412,24 @@ def test_graph_collectives_keep_user_names_and_scopes(job: JobResults) -> None:
     np.testing.assert_allclose(values["b"], mean)
     np.testing.assert_array_equal(values["d"], x * sum(q + 1 for q in range(n)))
     np.testing.assert_array_equal(values["e"], x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "graph"])
+def test_a_collective_the_ranks_disagree_on_raises_failed_precondition_error(job: JobResults, mode: str) -> None:
+    """Horovod's type in TensorFlow, on every rank, eagerly, in a tf.function and in a Session graph
+    (where TensorFlow would otherwise report an UnknownError); still a RuntimeError, as in torch."""
+    n = job.size
+    for r in range(n):
+        got = job.get("mismatches", r)
+        for case, words in (("shape", "shapes"), ("dtype", "data types"), ("root", "root ranks"),
+                            ("columns", "shapes")):
+            error = got[f"{mode}.{case}"]
+            assert error is not None, (mode, case)
+            assert error["failed_precondition"] and error["runtime_error"], (mode, case, error)
+            assert error["type"] == "HoraFailedPreconditionError", (mode, case, error)
+            assert f"bad.{case}.{mode}" in error["message"] and "Mismatched" in error["message"], error
+            assert words in error["message"] and all(f"rank {q}" in error["message"] for q in range(n)), error
+        allreduced, gathered, broadcast = got["after"]
+        np.testing.assert_allclose(allreduced, np.array([1.0, 2.0]) * sum(q + 1 for q in range(n)))
+        np.testing.assert_allclose(gathered, np.concatenate([np.array([1.0, 2.0]) * (q + 1) for q in range(n)]))
+        np.testing.assert_allclose(broadcast, [1.0, 2.0])

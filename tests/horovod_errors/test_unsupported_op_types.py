@@ -55,3 +55,24 @@ def test_tensorflow_indexed_slices_with_an_op_they_cannot_take_raise_not_impleme
     slices = tf.IndexedSlices(tf.ones((2, 3)), tf.constant([0, 2]), dense_shape=tf.constant([4, 3]))
     with pytest.raises(NotImplementedError):
         hvd.allreduce(slices, op=getattr(hvd, op))
+
+
+def test_a_cross_rank_disagreement_is_a_runtime_error_and_not_a_peer_failure() -> None:
+    """Horovod's type in torch and MXNet; not HorovodInternalError, which elastic training would retry."""
+    from hora.errors import CollectivePreconditionError, HorovodInternalError
+
+    assert issubclass(CollectivePreconditionError, RuntimeError) and issubclass(CollectivePreconditionError, HoraError)
+    assert not issubclass(CollectivePreconditionError, HorovodInternalError)
+
+
+def test_tensorflow_raises_a_disagreement_as_failed_precondition_with_its_code() -> None:
+    tf = pytest.importorskip("tensorflow")
+    from hora.errors import CollectivePreconditionError
+    from hora.tensorflow.error_types import HoraFailedPreconditionError
+
+    error = HoraFailedPreconditionError.from_hora(CollectivePreconditionError("Mismatched allreduce shapes"))
+    assert isinstance(error, tf.errors.FailedPreconditionError) and isinstance(error, CollectivePreconditionError)
+    assert error.error_code == tf.errors.FAILED_PRECONDITION and error.message == "Mismatched allreduce shapes"
+    # An UnknownError without hora's marker stays exactly that.
+    plain = tf.errors.UnknownError(None, None, "something else")
+    assert type(plain) is tf.errors.UnknownError and plain.error_code == tf.errors.UNKNOWN

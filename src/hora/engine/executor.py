@@ -17,6 +17,7 @@ from hora.engine import adasum
 from hora.engine.coordinator import Response
 from hora.engine.request import Kind, Request, Signature
 from hora.engine.timeline import Timeline
+from hora.errors import CollectivePreconditionError
 from hora.transport.base import Communicator, ReduceOp
 from hora.transport.scaling import scale_into
 
@@ -243,7 +244,7 @@ class Executor:
             if first.error is not None:
                 error = first.error
                 for item in items:
-                    self._finishing.append((item, RuntimeError(item.response.error), True))
+                    self._finishing.append((item, CollectivePreconditionError(item.response.error), True))
             elif kind == Kind.ALLREDUCE:
                 self._allreduce(items)
             elif kind == Kind.ALLGATHER:

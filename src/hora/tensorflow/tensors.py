@@ -28,7 +28,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from hora.errors import HoraError
+from hora.errors import CollectivePreconditionError, HoraError
+from hora.tensorflow.error_types import HoraFailedPreconditionError
 
 SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.uint16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64,
              tf.bool)
@@ -133,6 +134,19 @@ def _asynchronous_op(graph_body: Callable[..., list[np.ndarray]], inputs: Sequen
                                                    output_shapes=shapes))
 
 
+def _with_horovod_error_types(body: Callable[..., Sequence[np.ndarray]]) -> Callable[..., Sequence[np.ndarray]]:
+    """``body`` raising a cross-rank disagreement as ``tf.errors.FailedPreconditionError`` (Horovod's
+    type; in a graph, see :mod:`hora.tensorflow.error_types`)."""
+    def checked(*arrays: np.ndarray) -> Sequence[np.ndarray]:
+        try:
+            return body(*arrays)
+        except CollectivePreconditionError as error:
+            if isinstance(error, HoraFailedPreconditionError):
+                raise
+            raise HoraFailedPreconditionError.from_hora(error) from None
+    return checked
+
+
 def run_numpy(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
               out_dtypes: Sequence[tf.DType], out_shapes: Sequence[ShapeLike], name: str = "hora",
               collective: str | None = None) -> list[tf.Tensor]:
@@ -144,6 +158,7 @@ def run_numpy(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Ten
     collective, is recorded on the op as attribute ``_hora_collective`` (for the graph's reader:
     which op is which collective).
     """
+    body = _with_horovod_error_types(body)
     if tf.executing_eagerly():
         results = body(*[t.numpy() for t in inputs])
         return [tf.convert_to_tensor(np.asarray(r), dtype=d) for r, d in zip(results, out_dtypes)]
