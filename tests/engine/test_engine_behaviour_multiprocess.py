@@ -376,10 +376,12 @@ def _stall_with_captured_stderr() -> str:
     return captured.getvalue()
 
 
-def test_stall_report_reaches_the_process_stderr_even_when_sys_stderr_is_captured_world_size_2(capsys):
+@pytest.mark.parametrize("size", [2, 3])
+def test_stall_report_reaches_the_process_stderr_even_when_sys_stderr_is_captured(capsys, size):
     env = job_env(stall_check_time_seconds=1, stall_shutdown_time_seconds=3)
-    hora.run(_stall_with_captured_stderr, np=2, env=env)
+    hora.run(_stall_with_captured_stderr, np=size, env=env)
     relayed = capsys.readouterr().err
     # The launcher relays each worker's own stderr (file descriptor 2) with its rank prefix.
     lines = [line for line in relayed.splitlines() if line.startswith("[0]<stderr>:") and "'x'" in line]
-    assert any("missing ranks [1]" in line for line in lines), relayed[-3000:]
+    missing = str(list(range(1, size)))
+    assert any(f"missing ranks {missing}" in line for line in lines), relayed[-3000:]
