@@ -11,6 +11,13 @@ from __future__ import annotations
 class HoraError(Exception):
     """Base of every error hora raises deliberately."""
 
+    # Exception's own constructor, found before those of the built-in types that subclasses also
+    # derive from (NotImplementedError, ValueError...): TensorFlow's autograph re-raises an error
+    # from a traced function under its own type only when that type's ``__init__`` is
+    # ``Exception.__init__``, and otherwise turns it into a StagingError, which a Horovod user's
+    # ``except NotImplementedError`` would not catch.
+    __init__ = Exception.__init__
+
 
 class ConfigError(HoraError, ValueError):
     """A configuration value (environment variable, flag, hostfile line) is malformed."""

@@ -247,7 +247,7 @@ def _job() -> list:
         try:
             call()
         except Exception as exc:  # noqa: BLE001 - the type is what the test checks
-            return {"type": type(exc).__name__,
+            return {"type": type(exc).__name__, "not_implemented": isinstance(exc, NotImplementedError),
                     "failed_precondition": isinstance(exc, tf.errors.FailedPreconditionError),
                     "runtime_error": isinstance(exc, RuntimeError), "message": str(exc)[:3000]}
         return None
@@ -271,6 +271,18 @@ def _job() -> list:
                 with tf.Graph().as_default(), v1.Session() as session:
                     session.run(build("graph"))
             out[f"graph.{case}"] = caught(in_graph)
+        # An op IndexedSlices cannot take: Horovod's NotImplementedError, raised where the op is made.
+        def slices():
+            return tf.IndexedSlices(tf.ones((2, 3)) * (r + 1), tf.constant([0, 2]), dense_shape=tf.constant([4, 3]))
+        for op in ("Min", "Max", "Product", "Adasum"):
+            out[f"eager.slices.{op}"] = caught(lambda op=op: hvd.allreduce(slices(), op=getattr(hvd, op)))
+            out[f"function.slices.{op}"] = caught(
+                lambda op=op: tf.function(lambda: hvd.allreduce(slices(), op=getattr(hvd, op)).values)())
+
+            def slices_in_graph(op=op):
+                with tf.Graph().as_default():
+                    hvd.allreduce(slices(), op=getattr(hvd, op))
+            out[f"graph.slices.{op}"] = caught(slices_in_graph)
         with tf.Graph().as_default(), v1.Session() as session:
             x = tf.constant([1.0, 2.0]) * (r + 1)
             out["after"] = session.run([hvd.allreduce(x, op=hvd.Sum), hvd.allgather(x), hvd.broadcast(x, 0)])
@@ -465,3 +477,15 @@ def test_uint16_collectives(job: JobResults, mode: str) -> None:
         np.testing.assert_array_equal(broadcast, inputs[n - 1])
         # alltoall of n copies of each rank's row: rank r receives every rank's row, in rank order
         np.testing.assert_array_equal(exchanged, np.concatenate(inputs))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "graph"])
+def test_an_op_indexed_slices_cannot_take_raises_not_implemented_error(job: JobResults, mode: str) -> None:
+    """Min, Max, Product or Adasum of IndexedSlices: Horovod's NotImplementedError on every rank (hora's
+    UnsupportedOperationError), and the collectives after it still work (test above)."""
+    for r in range(job.size):
+        got = job.get("mismatches", r)
+        for op in ("Min", "Max", "Product", "Adasum"):
+            error = got[f"{mode}.slices.{op}"]
+            assert error is not None and error["type"] == "UnsupportedOperationError", (mode, op, error)
+            assert error["not_implemented"] and error["runtime_error"], error
