@@ -8,22 +8,13 @@ setting: scikit-learn's Gaussian process and scipy's normal distribution, the ex
 
 from __future__ import annotations
 
-import json
-import sys
-
 import numpy as np
+from smoke_report import report  # this folder: on the path of a script run from it
 
 import hora
 from hora import basics
 
 MAX_STEPS = 300
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -7,17 +7,9 @@ it loads and works; whether a device is usable is reported, with the reason, not
 
 from __future__ import annotations
 
-import json
-import sys
+from smoke_report import report  # this folder: on the path of a script run from it
 
 from hora.nccl import cudart, library
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -8,24 +8,16 @@ update, one SGD step of 0.1 to [-0.125, -0.875, 0.375] on both ranks.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from smoke_report import report  # this folder: on the path of a script run from it
 
 import hora.jax as hvd  # noqa: E402
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

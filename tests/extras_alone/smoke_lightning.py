@@ -10,24 +10,16 @@ average the gradients. Loss mean((x . w)^2), SGD 0.1: step 1 averages 2.5 and 10
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from smoke_report import report  # this folder: on the path of a script run from it
 
 import hora.torch as hvd
 from hora.lightning import HoraStrategy
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 class OneLayer(pl.LightningModule):

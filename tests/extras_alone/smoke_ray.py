@@ -8,21 +8,13 @@ need nothing from this folder on their path.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from typing import Any
 
 import ray
+from smoke_report import report  # this folder: on the path of a script run from it
 
 from hora.ray import RayExecutor
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def reduce_on_each_worker() -> dict[str, Any]:

@@ -11,7 +11,6 @@ The estimators' shared module is imported too, so a framework-free import it mig
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Iterator
@@ -20,16 +19,10 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
 from pyspark.sql import SparkSession  # noqa: E402
+from smoke_report import report  # this folder: on the path of a script run from it
 
 import hora.spark  # noqa: E402
 import hora.spark.common.estimator  # noqa: E402,F401 - importable with the spark extra alone
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def reduce_on_each_task() -> dict[str, Any]:

@@ -8,22 +8,14 @@ SGD step of 0.1 to [-0.125, -0.875, 0.375]. Nothing else gives those numbers on 
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
+from smoke_report import report  # this folder: on the path of a script run from it
 
 import hora.tensorflow as hvd  # noqa: E402
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -10,9 +10,7 @@ that Keras 2 really was in use.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -20,15 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
+from smoke_report import report  # this folder: on the path of a script run from it
 
 import hora.keras as hvd  # noqa: E402
-
-
-def report(record: dict) -> None:
-    """The line in one write: a launcher that tags each write (mpirun --tag-output) would split a
-    line printed as text, then newline, around another rank's tag."""
-    sys.stdout.write("SMOKE " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:
