@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chat
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from tensorflow2_keras_mnist import digits_arrays  # noqa: E402 - the same data as the Keras examples
 
 import hora.tensorflow as hvd  # noqa: E402
 
@@ -48,19 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=50, metavar="N",
                         help="rank 0 prints the averaged loss and accuracy every N steps (default: 50)")
     return parser.parse_args(argv)
-
-
-def digits_arrays(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's digits as (8, 8, 1) float images, normalised, split 80/20 (the same on every worker)."""
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., np.newaxis]
-    labels = digits.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(labels))
-    split = int(0.8 * len(labels))
-    train_idx, test_idx = order[:split], order[split:]
-    mean, std = images[train_idx].mean(), images[train_idx].std()
-    images = (images - mean) / std
-    return images[train_idx], labels[train_idx], images[test_idx], labels[test_idx]
 
 
 def conv_model(images: tf.Tensor) -> tf.Tensor:
