@@ -9,6 +9,8 @@ on a rank with :meth:`JobResults.get`, which re-raises a recorded failure with i
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -57,6 +59,8 @@ class JobResults:
         self.size = len(per_rank)
 
     def get(self, name: str, rank: int) -> Any:
+        if name not in self.per_rank[rank] and SETUP in self.per_rank[rank]:
+            name = SETUP  # the section function itself raised: every section of it fails with that
         value = self.per_rank[rank][name]
         if isinstance(value, SectionFailure):
             raise AssertionError(f"section {name!r} raised {value.type_name} on rank {rank}: {value.message}\n"
@@ -78,5 +82,85 @@ def _job_main(func: Callable[[], list[tuple[str, Callable[[], Any]]]]) -> dict[s
     hora.init()  # the same init as hora.torch.init, hora.tensorflow.init and hora.keras.init
     try:
         return run_sections(func())
+    finally:
+        hora.shutdown()
+
+
+# ---- one job for several test modules --------------------------------------------------------------
+#
+# Every TensorFlow worker spends about 7 CPU-seconds importing TensorFlow (and Keras 3, which it
+# loads eagerly), which is more than most modules' sections take to run. Modules whose jobs need the
+# same world size and environment therefore register their section functions with a SharedJob at
+# import time (that is, at collection), and the first of them to ask for its results runs ONE job
+# that calls every registered function, in collection order, each with its sections isolated as
+# usual. Modules with no selected test (``-k``, ``-m "not slow"``) are left out of the job.
+
+SETUP = "__setup__"  # where a section function that raised before returning its sections is recorded
+
+
+@dataclass
+class _SharedWorld:
+    np: int
+    env: dict[str, str]
+    members: list[SharedJob]
+    results: dict[str, JobResults] | None = None
+    error: BaseException | None = None
+
+
+_WORLDS: dict[tuple[int, tuple[tuple[str, str], ...]], _SharedWorld] = {}
+
+
+def _function_id(func: Callable[..., Any]) -> str:
+    return f"{func.__module__}.{func.__qualname__}"
+
+
+class SharedJob:
+    """A test module's share of the job every module with the same world size and environment runs.
+
+    ``last=True`` puts the functions that change process-wide state for good (``disable_v2_behavior``)
+    after every other module's sections.
+    """
+
+    def __init__(self, func: Callable[[], list[tuple[str, Callable[[], Any]]]], np: int,
+                 env: dict[str, str] | None = None, *, last: bool = False) -> None:
+        self.func, self.last, self.id = func, last, _function_id(func)
+        self.file = os.path.realpath(inspect.getfile(func))
+        env = {**JOB_ENV, **(env or {})}
+        key = (np, tuple(sorted(env.items())))
+        self._world = _WORLDS.setdefault(key, _SharedWorld(np, env, []))
+        if all(member.id != self.id for member in self._world.members):
+            self._world.members.append(self)
+
+    def results(self, request: Any) -> JobResults:
+        """This module's results; the first call runs the job (``request``: a pytest fixture request)."""
+        world = self._world
+        if world.results is None and world.error is None:
+            selected = {os.path.realpath(str(item.path)) for item in request.session.items}
+            members = [m for m in world.members if m.file in selected or m is self]
+            members.sort(key=lambda m: m.last)
+            try:
+                per_rank = hora.run(_shared_main, args=([m.func for m in members],), np=world.np, env=world.env)
+                world.results = {m.id: JobResults([ranks[m.id] for ranks in per_rank]) for m in members}
+            except BaseException as exc:  # noqa: BLE001 - every module sharing the job fails with its error
+                world.error = exc
+        if world.error is not None:
+            raise world.error
+        assert world.results is not None and self.id in world.results, f"{self.id} joined its job too late"
+        return world.results[self.id]
+
+
+def _shared_main(funcs: list[Callable[[], list[tuple[str, Callable[[], Any]]]]]) -> dict[str, dict[str, Any]]:
+    hora.init()
+    try:
+        out: dict[str, dict[str, Any]] = {}
+        for func in funcs:
+            try:
+                sections = func()
+            except Exception as exc:  # noqa: BLE001 - fails that module's tests, not the other modules'
+                out[_function_id(func)] = {SETUP: SectionFailure(type(exc).__name__, str(exc), traceback.format_exc()),
+                                           TIMINGS: {}}
+                continue
+            out[_function_id(func)] = run_sections(sections)
+        return out
     finally:
         hora.shutdown()

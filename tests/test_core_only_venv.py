@@ -34,7 +34,9 @@ def core_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     created = _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
     assert created.returncode == 0, created.stderr
     python = str(venv / "bin" / "python")
-    installed = _run([python, "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test]"], timeout=600)
+    # --no-compile: byte-compiling scikit-learn and SciPy whole took most of the install; the
+    # collection compiles the little it imports.
+    installed = _run([python, "-m", "pip", "install", "--quiet", "--no-compile", "-e", f"{ROOT}[test]"], timeout=600)
     assert installed.returncode == 0, f"pip install -e .[test] failed:\n{installed.stdout}\n{installed.stderr}"
     return python
 

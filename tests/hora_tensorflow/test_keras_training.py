@@ -16,9 +16,10 @@ import pytest
 pytest.importorskip("tensorflow")
 
 import keras_sections as ks  # noqa: E402
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+# The first module to ask for the shared job runs every module's sections.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _tf_sections() -> list:
@@ -225,9 +226,12 @@ def _job() -> list:
     return ks.keras_sections() + _tf_sections()
 
 
+RANKS2 = shared_job(_job, np=2)
+
+
 @pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
 
 
 # ---- model.fit with hora.keras.DistributedOptimizer ------------------------------------------------

@@ -15,9 +15,10 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+# The first module to ask for the shared job runs every module's sections.
+pytestmark = pytest.mark.timeout(600)
 
 DTYPES = ["uint8", "int8", "int16", "uint16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
 OPS = ["Average", "Sum", "Min", "Max", "Product"]
@@ -303,9 +304,12 @@ def _job() -> list:
     ]
 
 
+RANKS2 = shared_job(_job, np=2)
+
+
 @pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
 
 
 def both_modes(job: JobResults, section: str):

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -173,9 +173,12 @@ def _job() -> list:
     ]
 
 
+RANKS2 = shared_job(_job, np=2)
+
+
 @pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
 
 
 def _assert_identical(result: dict) -> None:

@@ -28,9 +28,10 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(420)
+# The first module to ask for the shared job runs every module's sections.
+pytestmark = pytest.mark.timeout(600)
 
 GATHER_TENSORS = 5
 GRADIENT_RUNS = 10
@@ -315,14 +316,17 @@ def _job() -> list:
     ]
 
 
-@pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+RANKS2, RANKS3 = shared_job(_job, np=2), shared_job(_job, np=3)
 
 
 @pytest.fixture(scope="module")
-def ranks3() -> JobResults:
-    return run_job(_job, np=3)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
+
+
+@pytest.fixture(scope="module")
+def ranks3(request) -> JobResults:
+    return RANKS3.results(request)
 
 
 @pytest.fixture(params=["ranks2", "ranks3"])

@@ -25,9 +25,10 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+# The first module to ask for the shared job runs every module's sections.
+pytestmark = pytest.mark.timeout(600)
 
 STEPS = 20
 
@@ -420,14 +421,18 @@ def _tf1_job() -> list:
             ("sync_batch_norm_update_ops", sync_batch_norm_update_ops)]
 
 
-@pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+# The TensorFlow 1 world turns v2 behaviour off for good, so it runs after every other module's sections.
+RANKS2, TF1_RANKS2 = shared_job(_job, np=2), shared_job(_tf1_job, np=2, last=True)
 
 
 @pytest.fixture(scope="module")
-def tf1_ranks2() -> JobResults:
-    return run_job(_tf1_job, np=2)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
+
+
+@pytest.fixture(scope="module")
+def tf1_ranks2(request) -> JobResults:
+    return TF1_RANKS2.results(request)
 
 
 def test_tf1_script_hook_and_backward_passes_2_workers_match_1_worker_2ranks(tf1_ranks2):

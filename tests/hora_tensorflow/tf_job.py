@@ -1,8 +1,9 @@
 """Helpers for the hora.tensorflow / hora.keras tests: many named checks inside one multi-process job.
 
-Every worker pays several seconds to import TensorFlow, so each test module starts one job (in a
-module-scoped fixture) whose workers run a list of named sections and report each one's result or
-failure; tests then read a section's value per rank. The section machinery is ``tests/sections.py``;
+Every worker pays several seconds to import TensorFlow, so the test modules share jobs: each module
+registers its section function with the job for its world size and environment (``shared_job``),
+whose workers run every registered module's named sections and report each one's result or failure;
+tests then read a section's value per rank. The section machinery is ``tests/sections.py``;
 this module only adds the environment that keeps TensorFlow quiet and held to one compute thread
 per worker (the CI box has two cores).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import sections
-from sections import JobResults
+from sections import JobResults, SharedJob
 
 TF_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -32,4 +33,11 @@ def run_job(func: Callable[[], Sections], np: int, env: dict[str, str] | None = 
     return sections.run_job(func, np, {**TF_ENV, **(env or {})})
 
 
-__all__ = ["JobResults", "run_job", "TF_ENV"]
+def shared_job(func: Callable[[], Sections], np: int, env: dict[str, str] | None = None, *,
+               last: bool = False) -> SharedJob:
+    """``func``'s share of the one job every TensorFlow module with this world size and environment
+    runs (each of them would otherwise start its own workers and import TensorFlow again)."""
+    return SharedJob(func, np, {**TF_ENV, **(env or {})}, last=last)
+
+
+__all__ = ["JobResults", "run_job", "shared_job", "SharedJob", "TF_ENV"]

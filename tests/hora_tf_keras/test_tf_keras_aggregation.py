@@ -22,9 +22,10 @@ import pytest
 pytest.importorskip("tf_keras")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hora_tensorflow"))  # the TensorFlow job helpers
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+# The first module to ask for the shared job runs every module's sections.
+pytestmark = pytest.mark.timeout(600)
 
 SIZES = (2, 3)
 PASSES = 4  # backward_passes_per_step of the aggregation sections
@@ -285,9 +286,12 @@ def _job() -> list:
     return sections
 
 
+JOBS = {n: shared_job(_job, n, {"TF_USE_LEGACY_KERAS": "1"}) for n in SIZES}
+
+
 @pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
 def job(request) -> JobResults:
-    return run_job(_job, request.param, {"TF_USE_LEGACY_KERAS": "1"})
+    return JOBS[request.param].results(request)
 
 
 def mean_factor(job: JobResults) -> float:

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("tf_keras")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hora_tensorflow"))  # the TensorFlow job helpers
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -110,9 +110,12 @@ def _job() -> list:
     ]
 
 
+JOB = shared_job(_job, 2, {"TF_USE_LEGACY_KERAS": "1"})
+
+
 @pytest.fixture(scope="module")
-def job() -> JobResults:
-    return run_job(_job, 2, {"TF_USE_LEGACY_KERAS": "1"})
+def job(request) -> JobResults:
+    return JOB.results(request)
 
 
 @pytest.mark.parametrize("section", ["fit_sgd", "fit_legacy_adam", "fit_sgd_passes2", "custom_loop"])

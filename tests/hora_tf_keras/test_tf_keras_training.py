@@ -10,7 +10,9 @@ in the same job, from the same initial weights), for tf_keras' optimizers and it
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +21,10 @@ import pytest
 pytest.importorskip("tf_keras")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hora_tensorflow"))  # the TensorFlow job helpers
-from tf_job import JobResults, run_job  # noqa: E402
+from tf_job import JobResults, shared_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+# The first module to ask for the shared job runs every module's sections.
+pytestmark = pytest.mark.timeout(600)
 
 BATCH, STEPS = 16, 20
 TOL = dict(rtol=2e-4, atol=2e-5)
@@ -41,7 +44,8 @@ def _job() -> list:
     digits = load_digits()
     x = (digits.data[:BATCH * STEPS * 2] / 16.0).astype(np.float32)
     y = digits.target[:BATCH * STEPS * 2].astype(np.int64)
-    out_dir = os.environ["TF_KERAS_TEST_DIR"]
+    # Each rank writes its own files (named by rank); the last section removes the directory.
+    out_dir = tempfile.mkdtemp(prefix=f"hora-tf-keras-{r}-")
 
     def make(kind: str):
         return {"sgd": lambda: K.optimizers.SGD(0.1, momentum=0.9),
@@ -225,14 +229,17 @@ def _job() -> list:
         ("custom_loop", custom_loop), ("horovod_hooks", horovod_hooks), ("callbacks", callbacks),
         ("load_model", load_model_round_trip), ("best_checkpoint", best_checkpoint), ("partial", partial),
         ("bad_input", bad_input),
+        ("remove_out_dir", lambda: shutil.rmtree(out_dir)),
     ]
     return sections
 
 
+JOB = shared_job(_job, 2, {"TF_USE_LEGACY_KERAS": "1"})
+
+
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> JobResults:
-    out = tmp_path_factory.mktemp("tf_keras")
-    return run_job(_job, 2, {"TF_USE_LEGACY_KERAS": "1", "TF_KERAS_TEST_DIR": str(out)})
+def job(request) -> JobResults:
+    return JOB.results(request)
 
 
 def _check_equivalence(job: JobResults, section: str) -> None:
