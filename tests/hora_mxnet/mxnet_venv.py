@@ -51,7 +51,7 @@ def python() -> str:
         if not (target / _MARKER).exists():
             shutil.rmtree(target, ignore_errors=True)
             _run("venv creation", [sys.executable, "-m", "venv", str(target)])
-            _run("installing MXNet", [str(exe), "-m", "pip", "install", "--quiet", *REQUIREMENTS])
+            _run("installing MXNet", [str(exe), "-m", "pip", "install", "--quiet", "--no-compile", *REQUIREMENTS])
             _run("installing hora", [str(exe), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)])
             _run("importing MXNet", [str(exe), "-c", "import mxnet, hora.mxnet; mxnet.nd.ones(2).asnumpy()"])
             (target / _MARKER).write_text("\n".join(REQUIREMENTS) + "\n")
