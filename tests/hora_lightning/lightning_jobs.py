@@ -255,3 +255,10 @@ def worker_checkpoint_resume(directory: str) -> dict[str, np.ndarray]:
     resumed = make_module("adam", init_seed=INIT_SEED + 100 + hvd.rank())
     trainer(HoraStrategy(), max_epochs=EPOCHS).fit(resumed, loader, ckpt_path=path)
     return {"params": params_of(resumed), "checkpoint": path}
+
+
+def worker_everything(directory: str) -> dict[str, Any]:
+    """Every 2-worker check of test_strategy.py in one job, one after another: a worker's torch and
+    Lightning imports cost more than most of these trainings, so the module starts workers once."""
+    return {"equivalence": worker_equivalence_runs(), "metrics": worker_metrics(), "refit": worker_refit(),
+            "resume": worker_checkpoint_resume(directory)}

@@ -43,10 +43,20 @@ def _max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float
 
 
 @pytest.fixture(scope="module")
-def two_worker_runs() -> list[dict[str, Any]]:
-    """Every equivalence case trained once on 2 workers (one job: starting workers is the slow part)."""
-    return hora.run(jobs.worker_equivalence_runs, np=2, env=clean_env({"OMP_NUM_THREADS": "1"}),
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("lightning-checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def two_worker_job(checkpoint_dir: str) -> list[dict[str, Any]]:
+    """Every 2-worker check of this module, in one job (starting workers is the slow part)."""
+    return hora.run(jobs.worker_everything, args=(checkpoint_dir,), np=2, env=clean_env({"OMP_NUM_THREADS": "1"}),
                     start_timeout=JOB_TIMEOUT_S)
+
+
+@pytest.fixture
+def two_worker_runs(two_worker_job: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [rank["equivalence"] for rank in two_worker_job]
 
 
 @pytest.mark.parametrize("case", list(jobs.EQUIVALENCE_CASES))
@@ -69,9 +79,9 @@ def test_two_workers_match_one_process_on_the_whole_batch(case: str, two_worker_
         np.testing.assert_allclose(value, expected[name], atol=ATOL, rtol=RTOL, err_msg=f"{case}: {name}")
 
 
-def test_sync_dist_metrics_and_collectives_combine_the_ranks(no_hora_env: None) -> None:
-    results = hora.run(jobs.worker_metrics, np=2, env=clean_env({"OMP_NUM_THREADS": "1"}),
-                       start_timeout=JOB_TIMEOUT_S)
+def test_sync_dist_metrics_and_collectives_combine_the_ranks(two_worker_job: list[dict[str, Any]],
+                                                            no_hora_env: None) -> None:
+    results = [rank["metrics"] for rank in two_worker_job]
     assert [r["rank"] for r in results] == [0, 1] and len({r["pid"] for r in results}) == 2
     for rank, seen in enumerate(results):
         assert seen["world_size"] == 2 and seen["is_global_zero"] == (rank == 0)
@@ -96,9 +106,9 @@ def test_sync_dist_metrics_and_collectives_combine_the_ranks(no_hora_env: None) 
     assert len(rows[0]) == len(rows[1]) == 6 and sorted(rows[0] + rows[1]) == list(range(12))
 
 
-def test_a_second_fit_of_the_same_model_reduces_each_gradient_once(no_hora_env: None) -> None:
-    results = hora.run(jobs.worker_refit, np=2, env=clean_env({"OMP_NUM_THREADS": "1"}),
-                       start_timeout=JOB_TIMEOUT_S)
+def test_a_second_fit_of_the_same_model_reduces_each_gradient_once(two_worker_job: list[dict[str, Any]],
+                                                                  no_hora_env: None) -> None:
+    results = [rank["refit"] for rank in two_worker_job]
     for name, value in results[0].items():
         np.testing.assert_array_equal(value, results[1][name], err_msg=name)
     # Two fits of one epoch each = one fit of two epochs (the optimizer restarts with the second
@@ -117,10 +127,10 @@ def test_a_second_fit_of_the_same_model_reduces_each_gradient_once(no_hora_env: 
         np.testing.assert_allclose(value, expected[name], atol=ATOL, rtol=RTOL, err_msg=name)
 
 
-def test_resuming_from_a_checkpoint_continues_the_same_training(tmp_path: Any, no_hora_env: None) -> None:
-    results = hora.run(jobs.worker_checkpoint_resume, args=(str(tmp_path),), np=2,
-                       env=clean_env({"OMP_NUM_THREADS": "1"}), start_timeout=JOB_TIMEOUT_S)
-    assert os.path.exists(results[0]["checkpoint"]) and results[0]["checkpoint"].startswith(str(tmp_path))
+def test_resuming_from_a_checkpoint_continues_the_same_training(two_worker_job: list[dict[str, Any]],
+                                                               checkpoint_dir: str, no_hora_env: None) -> None:
+    results = [rank["resume"] for rank in two_worker_job]
+    assert os.path.exists(results[0]["checkpoint"]) and results[0]["checkpoint"].startswith(checkpoint_dir)
     for name, value in results[0]["params"].items():
         np.testing.assert_array_equal(value, results[1]["params"][name], err_msg=name)
     expected = _baseline("adam")  # the same 2 epochs without the interruption
