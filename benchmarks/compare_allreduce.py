@@ -8,10 +8,13 @@ All of them run the same size sweep with the same iteration plan (hora.bench's: 
 small messages, fewer for big ones), the same timing rule (warm-up, barrier, mean per call over the
 timed loop, slowest rank wins) and the same world size. The machine is shared and noisy, so the
 libraries take turns, round after round (hora, gloo, mpi, hora, gloo, mpi, ...), and each keeps its
-best time per size.
+best time per size. With ``--shared-workers`` every library but MPI takes its turns inside one set of
+workers started once (so torch is imported once, not by every torch job): the timed loops are the
+same, but the processes are warm and shared, so report numbers from fresh ones, the default.
 
     python benchmarks/compare_allreduce.py                      # 4 B .. 64 MiB, x4 steps, 3 rounds
     python benchmarks/compare_allreduce.py --sizes 4,64K,16M --rounds 5 --json
+    python benchmarks/compare_allreduce.py --sizes 4,64K --rounds 1 --iters 5 --shared-workers   # does it run?
 
 Ratios compare the public API in place (numpy = ``hora.allreduce_``, torch = ``hora.torch.allreduce_``,
 summing as Gloo's and MPI's in-place calls here do) with Gloo and MPI: ``bw np/X`` above 1 means
@@ -22,6 +25,7 @@ calls (a new array or tensor per call) are in the JSON rows as ``numpy_oop`` and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -101,8 +105,15 @@ def run_api(api: str) -> Callable[..., dict[str, dict[int, float]]]:
 # ---- torch.distributed / Gloo ---------------------------------------------------------------------
 
 
-def gloo_worker(sizes: list[int], iters: int, warmup: int, port: int) -> dict[int, float] | None:
-    """One rank of the Gloo run; identity comes from the hora launcher's environment."""
+NO_GLOO = "this torch build has no Gloo backend"
+
+
+def gloo_worker(sizes: list[int], iters: int, warmup: int, port: int) -> dict[int, float] | str | None:
+    """One rank of the Gloo run; identity comes from the hora launcher's environment.
+
+    Returns NO_GLOO (on every rank) where torch has no Gloo backend: asked here, where torch is
+    imported anyway, so that the driver need not import it.
+    """
     from datetime import timedelta
 
     import torch
@@ -110,6 +121,8 @@ def gloo_worker(sizes: list[int], iters: int, warmup: int, port: int) -> dict[in
 
     from hora import config
 
+    if not (dist.is_available() and dist.is_gloo_available()):
+        return NO_GLOO
     rank, size = config.get("rank"), config.get("size")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=120))
@@ -138,11 +151,45 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_gloo(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float]:
+GLOO_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def run_gloo(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, float] | str:
     import hora
 
-    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    return hora.run(gloo_worker, args=(sizes, iters, warmup, _free_port()), np=np_, env=env)[0]
+    return hora.run(gloo_worker, args=(sizes, iters, warmup, _free_port()), np=np_, env=GLOO_ENV)[0]
+
+
+# ---- every library but MPI in one job (--shared-workers) --------------------------------------------
+
+
+def shared_worker(sizes: list[int], iters: int, warmup: int,
+                  turns: list[tuple[str, int | None]]) -> list[Any] | None:
+    """Every ``(library, Gloo port)`` turn in this one process, in order: rank 0's result of each.
+
+    Each turn forms its own group and closes it, as its own job would: hora's transports and the
+    public APIs join a new rendezvous round, Gloo forms a process group on its own port.
+    """
+    from hora import config
+
+    results = []
+    for lib, port in turns:
+        if lib in ("hora", "hora_tcp"):
+            results.append(hora_worker(sizes, iters, warmup, "auto" if lib == "hora" else "tcp"))
+        elif lib in API_LIBRARIES:
+            results.append(api_worker(sizes, iters, warmup, lib))
+        else:
+            assert lib == "gloo" and port is not None, lib
+            results.append(gloo_worker(sizes, iters, warmup, port))
+    return results if config.get("rank") == 0 else None
+
+
+def run_shared(libs: list[str], sizes: list[int], iters: int, warmup: int, np_: int) -> list[Any]:
+    """The results of every turn of ``libs`` (in order), all in one job of ``np_`` workers."""
+    import hora
+
+    turns = [(lib, _free_port() if lib == "gloo" else None) for lib in libs]
+    return hora.run(shared_worker, args=(sizes, iters, warmup, turns), np=np_, env=GLOO_ENV)[0]
 
 
 # ---- MPI ------------------------------------------------------------------------------------------
@@ -191,16 +238,11 @@ def run_mpi(sizes: list[int], iters: int, warmup: int, np_: int) -> dict[int, fl
 def available(note: Callable[[str], None]) -> dict[str, Callable[..., dict[int, float]]]:
     runners: dict[str, Callable[..., Any]] = {"hora": run_hora, "numpy": run_api("numpy"),
                                               "hora_tcp": run_hora_tcp}
-    try:
-        import torch.distributed as dist
-
+    # Found, not imported: the driver has no use for torch itself (gloo_worker checks for Gloo).
+    if importlib.util.find_spec("torch") is not None:
         runners["torch"] = run_api("torch")
-
-        if dist.is_available() and dist.is_gloo_available():
-            runners["gloo"] = run_gloo
-        else:
-            note("skipping gloo: this torch build has no Gloo backend")
-    except ImportError:
+        runners["gloo"] = run_gloo
+    else:
         note("skipping gloo: torch is not installed (pip install torch)")
     try:
         import mpi4py  # noqa: F401
@@ -291,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per size (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best per size wins (default 3)")
     parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,numpy,torch,hora_tcp,gloo,mpi")
+    parser.add_argument("--shared-workers", action="store_true",
+                        help="run every library but MPI in one set of workers started once: less start-up; "
+                             "the processes are warm and shared, so not for results")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
     parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -305,6 +350,30 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [lib.strip() for lib in args.only.split(",") if lib.strip()]
     runners = {lib: run for lib, run in available(note).items() if lib in wanted}
     best: dict[str, dict[int, float]] = {lib: {} for lib in runners}
+
+    def keep(lib: str, times: Any) -> None:
+        for name, by_size in (times.items() if lib in API_LIBRARIES else [(lib, times)]):
+            for nbytes, seconds in by_size.items():
+                best.setdefault(name, {})
+                best[name][nbytes] = min(seconds, best[name].get(nbytes, float("inf")))
+
+    if args.shared_workers:
+        shared = [lib for lib in runners if lib != "mpi"]
+        turns = [lib for _ in range(args.rounds) for lib in shared]
+        started = time.monotonic()
+        try:
+            results = run_shared(turns, args.sizes, args.iters, args.warmup, args.np)
+        except Exception as exc:  # noqa: BLE001 - MPI still runs
+            note(f"the shared workers failed; dropping {','.join(shared)}: {type(exc).__name__}: {exc}")
+            results = []
+        for lib, times in zip(turns, results):
+            if times != NO_GLOO:
+                keep(lib, times)
+        if NO_GLOO in results:
+            note(f"skipping gloo: {NO_GLOO}")
+        runners = {lib: run for lib, run in runners.items() if lib == "mpi"}
+        if not args.json:
+            note(f"{','.join(shared)}: {args.rounds} round(s) in one job took {time.monotonic() - started:.1f} s")
     for round_index in range(args.rounds):
         for lib in list(runners):
             started = time.monotonic()
@@ -314,10 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                 note(f"{lib} failed in round {round_index + 1}; dropping it: {type(exc).__name__}: {exc}")
                 del runners[lib]
                 continue
-            for name, by_size in (times.items() if lib in API_LIBRARIES else [(lib, times)]):
-                for nbytes, seconds in by_size.items():
-                    best.setdefault(name, {})
-                    best[name][nbytes] = min(seconds, best[name].get(nbytes, float("inf")))
+            if times == NO_GLOO:
+                note(f"skipping gloo: {NO_GLOO}")
+                del runners[lib]
+                continue
+            keep(lib, times)
             if not args.json:
                 note(f"round {round_index + 1}/{args.rounds}: {lib} took {time.monotonic() - started:.1f} s")
     rows = build_rows(args.sizes, best, args.np)

@@ -9,10 +9,16 @@ the same number of timed steps after the same warm-up. Every worker is a fresh p
 calling ``hvd.init()``. The machine is shared and noisy, so the contenders take turns, round after
 round (hora, ddp, single, hora, ddp, single, ...), and the median round is reported.
 
+With ``--shared-workers`` one set of worker processes is started once and every turn of every round
+runs inside it (``single`` on rank 0 alone): the timed steps are the same, only the start-up (each
+worker importing torch) is paid once instead of per turn. The contenders then share warm processes
+(allocator, thread pools), so report numbers from fresh processes, the default.
+
     python benchmarks/torch_vs_ddp.py                         # resnet18, 64x64, batch 16, 2 workers
     python benchmarks/torch_vs_ddp.py --rounds 5 --iters 30 --json
     python benchmarks/torch_vs_ddp.py --hora-env HORA_CYCLE_TIME=20      # try an engine knob
     python benchmarks/torch_vs_ddp.py --model mlp200 --threads 1 --only hora,ddp   # issue 17's bar
+    python benchmarks/torch_vs_ddp.py --shared-workers --rounds 1 --iters 2   # a quick check that it runs
 
 ``--model mlp200`` is issue 17's bar: 100 Linear layers 64-256 wide (200 gradient tensors, 256
 classes), batch 32, one thread per rank. For hora the report adds the engine's CPU time per step per
@@ -26,6 +32,7 @@ throughput of X over that of one undistributed process (the ideal is the number 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -33,7 +40,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILE = os.path.join(HERE, os.pardir, "examples", "pytorch_synthetic_benchmark.py")
@@ -224,7 +231,7 @@ def hora_worker(cfg: Config) -> dict[str, float] | None:
     return result if rank == 0 else None
 
 
-def ddp_worker(cfg: Config) -> dict[str, float] | None:
+def ddp_worker(cfg: Config) -> dict[str, float]:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -251,9 +258,12 @@ def ddp_worker(cfg: Config) -> dict[str, float] | None:
             return float(loss.detach())
 
         seconds, loss, cpu = _timed_steps(step, cfg, dist.barrier)
-        everyone: list[Any] = [None] * size
-        dist.all_gather_object(everyone, seconds)
-        return {"seconds": max(everyone), "loss": loss, "cpu_per_step": cpu} if rank == 0 else None
+        # Every rank reports its own time and the driver takes the slowest (_slowest). A last Gloo
+        # collective here (all_gather_object) may hang the process as the group is freed right after
+        # it: Gloo's thread still needs the GIL to drop the gathered tensors, which the group's
+        # destructor holds while it waits for that thread (--shared-workers, where the process goes
+        # on, met it in one run out of two).
+        return {"seconds": seconds, "loss": loss, "cpu_per_step": cpu}
     finally:
         dist.destroy_process_group()
 
@@ -281,6 +291,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _ddp_env() -> dict[str, str]:
+    """Where DDP's workers meet: torch's own rendezvous on a free local port."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo"}
+
+
 def run_contender(name: str, cfg: Config, np_: int, hora_env: dict[str, str] | None = None) -> dict[str, float]:
     """One timed run of one contender in fresh worker processes: seconds and img/sec."""
     import hora
@@ -289,10 +304,73 @@ def run_contender(name: str, cfg: Config, np_: int, hora_env: dict[str, str] | N
     if name == "hora":
         env.update(hora_env or {})
     if name == "ddp":
-        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo"})
+        env.update(_ddp_env())
     worker = {"hora": hora_worker, "ddp": ddp_worker, "single": single_worker}[name]
     workers = 1 if name == "single" else np_
-    result = hora.run(worker, args=(cfg,), np=workers, env=env)[0]
+    return _row(cfg, _slowest(hora.run(worker, args=(cfg,), np=workers, env=env)), workers)
+
+
+def _slowest(per_rank: list[dict[str, float] | None]) -> dict[str, float]:
+    """Rank 0's result with the slowest rank's seconds (hora's ranks agree on them already; the
+    other ranks of hora and single return None)."""
+    return {**per_rank[0], "seconds": max(result["seconds"] for result in per_rank if result is not None)}
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` set inside the block: what a turn's fresh workers would have had."""
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def shared_worker(cfg: Config, turns: list[str], hora_env: dict[str, str],
+                  ddp_envs: list[dict[str, str]]) -> list[dict[str, float] | None]:
+    """Every turn in this one process, in order (``--shared-workers``): this rank's result of each turn.
+
+    hora's turns join and leave the job (``hvd.init()`` ... ``hvd.shutdown()``) with ``hora_env``
+    set, as their own workers would have it; DDP's form and destroy a Gloo group, each on its own
+    port (``ddp_envs``, one per DDP turn). ``single`` runs on rank 0 alone: the other ranks go on to
+    the next turn and wait there for rank 0 to join it (hence the job's long start timeout).
+    """
+    from hora import config
+
+    rank = config.get("rank")
+    ddp_turns = iter(ddp_envs)
+    results: list[dict[str, float] | None] = []
+    for name in turns:
+        if name == "hora":
+            with _environ(hora_env):
+                results.append(hora_worker(cfg))
+        elif name == "ddp":
+            with _environ(next(ddp_turns)):
+                results.append(ddp_worker(cfg))
+        else:
+            results.append(single_worker(cfg) if rank == 0 else None)
+    return results
+
+
+def run_shared(turns: list[str], cfg: Config, np_: int, hora_env: dict[str, str]) -> list[dict[str, float]]:
+    """Every turn in one job of ``np_`` workers started once: one row per turn, in order."""
+    import hora
+
+    # A rank waits in the next turn's hvd.init() while rank 0 runs its single turn: give it time.
+    env = {"OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads), "HORA_START_TIMEOUT": "600"}
+    ddp_envs = [_ddp_env() for name in turns if name == "ddp"]
+    per_rank = hora.run(shared_worker, args=(cfg, turns, hora_env, ddp_envs), np=np_, env=env)
+    return [_row(cfg, _slowest([results[turn] for results in per_rank]), 1 if name == "single" else np_)
+            for turn, name in enumerate(turns)]
+
+
+def _row(cfg: Config, result: dict[str, float], workers: int) -> dict[str, float]:
+    """A turn's report row from rank 0's result: seconds and img/sec."""
     per_worker = cfg.batch_size * cfg.iters / result["seconds"]
     row = {"seconds": result["seconds"], "loss": result["loss"], "workers": workers,
            "img_sec_per_worker": per_worker, "img_sec_total": per_worker * workers,
@@ -390,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of hora,ddp,single")
     parser.add_argument("--hora-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment for hora's workers only, e.g. HORA_CYCLE_TIME=5 (repeatable)")
+    parser.add_argument("--shared-workers", action="store_true",
+                        help="start the workers once and run every turn in them (single on rank 0): the "
+                             "start-up is paid once; the processes are warm and shared, so not for results")
     parser.add_argument("--json", action="store_true", help="print the summary and every round as JSON")
     args = parser.parse_args(argv)
     if args.np < 2 or args.rounds < 1 or args.iters < 1 or args.warmup < 0:
@@ -415,18 +496,29 @@ def main(argv: list[str] | None = None) -> int:
     if hora_env:
         note("hora workers' extra environment: " + " ".join(f"{k}={v}" for k, v in hora_env.items()))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS if name in wanted}
-    for round_index in range(args.rounds):
-        for name in runs:
-            started = time.monotonic()
-            result = run_contender(name, cfg, args.np, hora_env)
-            runs[name].append(result)
-            note(f"round {round_index + 1}/{args.rounds}: {name:<6} {result['img_sec_total']:8.1f} img/sec total "
-                 f"({result['workers']} worker(s), final loss {result['loss']:.3f}; "
-                 f"{time.monotonic() - started:.1f} s with start-up)")
+
+    def report(round_index: int, name: str, result: dict[str, float], took: str) -> None:
+        runs[name].append(result)
+        note(f"round {round_index + 1}/{args.rounds}: {name:<6} {result['img_sec_total']:8.1f} img/sec total "
+             f"({result['workers']} worker(s), final loss {result['loss']:.3f}; {took})")
+
+    if args.shared_workers:
+        turns = [(round_index, name) for round_index in range(args.rounds) for name in runs]
+        started = time.monotonic()
+        rows = run_shared([name for _, name in turns], cfg, args.np, hora_env)
+        for (round_index, name), result in zip(turns, rows):
+            report(round_index, name, result, "shared workers")
+        note(f"all {len(turns)} turns in one job: {time.monotonic() - started:.1f} s with start-up")
+    else:
+        for round_index in range(args.rounds):
+            for name in runs:
+                started = time.monotonic()
+                result = run_contender(name, cfg, args.np, hora_env)
+                report(round_index, name, result, f"{time.monotonic() - started:.1f} s with start-up")
     summary = summarise(runs, args.np)
     if args.json:
         print(json.dumps({"config": asdict(cfg), "np": args.np, "rounds": args.rounds, "hora_env": hora_env,
-                          "summary": summary, "runs": runs}, indent=1))
+                          "shared_workers": args.shared_workers, "summary": summary, "runs": runs}, indent=1))
     else:
         print(format_report(summary, cfg, args.np, args.rounds))
     return 0

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hora.bench.cli import main as bench_main
 from hora.bench.sweep import bus_factor
 from job_env import clean_env
 
@@ -39,8 +40,23 @@ def test_bench_api_rows(api: str) -> None:
         assert row["named"] and row["negotiations"] < 1, row
 
 
+@pytest.fixture(scope="module")
+def unnamed_table() -> subprocess.CompletedProcess:
+    """One tiny ``--api numpy --unnamed`` table, for the tests that read its title and its tables."""
+    return _bench("--api", "numpy", *TINY[:6], "-e", "4", "--iters", "2", "--warmup", "0", "--unnamed")
+
+
+def _refusal(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``hora bench ARGS`` writes to stderr as it exits with status 2 (before starting any job)."""
+    with pytest.raises(SystemExit) as info:
+        bench_main(args)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
-def test_bench_api_unnamed_calls_are_negotiated_every_time() -> None:
+def test_bench_api_unnamed_calls_are_negotiated_every_time(unnamed_table: subprocess.CompletedProcess,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     proc = _bench("--api", "numpy", *TINY[:6], "-e", "256", "-f", "64", "--iters", "4", "--warmup", "1", "--unnamed",
                   "--json")
     assert proc.returncode == 0, proc.stderr
@@ -48,16 +64,15 @@ def test_bench_api_unnamed_calls_are_negotiated_every_time() -> None:
     assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in ("allreduce", "allreduce_") for s in (4, 256)]
     for row in rows:
         assert not row["named"] and row["negotiations"] >= 1, row
-    table = _bench("--api", "numpy", *TINY[:6], "-e", "4", "--iters", "2", "--warmup", "0", "--unnamed")
+    table = unnamed_table
     assert table.returncode == 0 and "unnamed calls" in table.stdout, table.stderr + table.stdout
-    refused = _bench("--unnamed", "-e", "4")
-    assert refused.returncode == 2 and "--unnamed needs --api" in refused.stderr, refused.stderr
+    assert "--unnamed needs --api" in _refusal(["--unnamed", "-e", "4"], capsys)
 
 
 @pytest.mark.timeout(120)
-def test_bench_api_table_and_refusals() -> None:
-    proc = _bench("--api", "numpy", *TINY[:6], "-e", "4", "--iters", "2", "--warmup", "0")
+def test_bench_api_table_and_refusals(unnamed_table: subprocess.CompletedProcess,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    proc = unnamed_table
     assert proc.returncode == 0, proc.stderr
     assert "public API on NumPy arrays" in proc.stdout and "# allreduce_" in proc.stdout, proc.stdout
-    refused = _bench("--api", "torch", "--ops", "allgather", "-e", "4")
-    assert refused.returncode == 2 and "allreduce and allreduce_ only" in refused.stderr, refused.stderr
+    assert "allreduce and allreduce_ only" in _refusal(["--api", "torch", "--ops", "allgather", "-e", "4"], capsys)

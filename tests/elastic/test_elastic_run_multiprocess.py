@@ -4,6 +4,10 @@ world is re-formed as the next rendezvous round inside the same processes.
 
 No elastic driver exists yet, so each reset here is one that every rank sees: all ranks raise
 HorovodInternalError at the same step, or rank 0 writes the announcement key itself.
+
+The failed collective, the two host updates and the reset limit run one after the other in one job
+(sections.py): each job costs two worker start-ups. They count rendezvous rounds from the one they
+start in, and the job sets HORA_ELASTIC_RESET_LIMIT=2 for the last of them (the others reset once).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import pytest
 
 import hora
 import hora.elastic
-from hora import basics
-from hora.elastic.notification import HostsUpdate, announce_hosts_update
 from hora.errors import HorovodInternalError
+from sections import JobResults, run_job
+from shared_jobs import Sections, announce_host_change, generation
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,18 +47,24 @@ class CountingState(hora.elastic.ObjectState):
         super().restore()
 
 
-def _generation() -> int:
-    return basics._ctx.runtime.round.generation
-
-
-def _entry(state: CountingState) -> dict[str, Any]:
-    """What one call of the training function starts from."""
-    return {"pid": os.getpid(), "generation": _generation(), "rank": hora.rank(), "size": hora.size(),
+def _entry(state: CountingState, start: int) -> dict[str, Any]:
+    """What one call of the training function starts from (generations counted from ``start``)."""
+    return {"pid": os.getpid(), "generation": generation() - start, "rank": hora.rank(), "size": hora.size(),
             "step": state.step, "history": list(state.history), "seed": state.seed}
 
 
-def _collective_failure_job() -> dict[str, Any]:
-    hora.init()
+def _sections() -> Sections:
+    return [("collective_failure", _collective_failure), ("hosts_update.with_sync", lambda: _hosts_update(False)),
+            ("hosts_update.skip_sync", lambda: _hosts_update(True)), ("reset_limit", _always_failing)]
+
+
+@pytest.fixture(scope="module")
+def job() -> JobResults:
+    return run_job(_sections, np=2, env={**JOB_ENV, "HORA_ELASTIC_RESET_LIMIT": "2"})
+
+
+def _collective_failure() -> dict[str, Any]:
+    start = generation()
     calls: list[dict[str, Any]] = []
     failed = {"done": False}
     # Rank 1 starts from a different seed: the first sync must give it rank 0's.
@@ -64,7 +74,7 @@ def _collective_failure_job() -> dict[str, Any]:
 
     @hora.elastic.run
     def train(state: CountingState) -> dict[str, Any]:
-        calls.append(_entry(state))
+        calls.append(_entry(state, start))
         while state.step < 6:
             total = hora.allreduce(np.array([float(state.step)]), op=hora.Sum, name=f"step.{state.step}")
             state.history.append((state.step, float(total[0])))
@@ -79,12 +89,12 @@ def _collective_failure_job() -> dict[str, Any]:
     out = train(state)
     out.update(calls=calls, resets=resets, syncs=state.syncs, restores=state.restores,
                after=float(hora.allreduce(np.array([hora.rank() + 1.0]), op=hora.Sum, name="after")[0]))
-    hora.shutdown()
     return out
 
 
-def test_a_collective_failure_on_every_rank_restores_the_last_commit_and_reforms_the_world_in_the_same_processes_world_size_2():
-    results = hora.run(_collective_failure_job, np=2, env=JOB_ENV)
+def test_a_collective_failure_on_every_rank_restores_the_last_commit_and_reforms_the_world_in_the_same_processes_world_size_2(
+        job: JobResults):
+    results = job.all("collective_failure")
     for rank, out in enumerate(results):
         first, second = out["calls"]
         assert first["pid"] == second["pid"], "the worker was restarted instead of re-forming in place"
@@ -101,23 +111,23 @@ def test_a_collective_failure_on_every_rank_restores_the_last_commit_and_reforms
     assert results[0]["calls"][0]["pid"] != results[1]["calls"][0]["pid"]
 
 
-def _hosts_update_job(skip_sync: bool) -> dict[str, Any]:
-    hora.init()
+def _hosts_update(skip_sync: bool) -> dict[str, Any]:
+    start = generation()
     calls: list[dict[str, Any]] = []
     interrupted_at: list[int] = []
     state = CountingState(step=0, history=[], seed=7)
 
     @hora.elastic.run
     def train(state: CountingState) -> dict[str, Any]:
-        calls.append(_entry(state))
+        calls.append(_entry(state, start))
         while state.step < 5:
             hora.allreduce(np.array([1.0]), op=hora.Sum, name=f"step.{state.step}")
             state.history.append(state.step)
             state.step += 1
-            if state.step == 3 and hora.rank() == 0 and _generation() == 0:
+            if state.step == 3 and hora.rank() == 0 and generation() == start:
                 # Only rank 0 sees the announcement being written; the commit's agreement makes
                 # rank 1 stop at the same commit even if it read the key before this write.
-                announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(1, skip_sync=skip_sync))
+                announce_host_change(skip_sync=skip_sync)
             try:
                 state.commit()
             except hora.HostsUpdatedInterrupt:
@@ -127,13 +137,13 @@ def _hosts_update_job(skip_sync: bool) -> dict[str, Any]:
 
     out = train(state)
     out.update(calls=calls, interrupted_at=interrupted_at, syncs=state.syncs, restores=state.restores)
-    hora.shutdown()
     return out
 
 
 @pytest.mark.parametrize("skip_sync", [False, True], ids=["with_sync", "skip_sync"])
-def test_a_hosts_update_in_the_store_interrupts_every_rank_at_the_same_commit_and_keeps_the_state_world_size_2(skip_sync):
-    results = hora.run(_hosts_update_job, args=(skip_sync,), np=2, env=JOB_ENV)
+def test_a_hosts_update_in_the_store_interrupts_every_rank_at_the_same_commit_and_keeps_the_state_world_size_2(
+        job: JobResults, skip_sync: bool):
+    results = job.all("hosts_update.skip_sync" if skip_sync else "hosts_update.with_sync")
     for out in results:
         assert out["interrupted_at"] == [3], "every rank is interrupted at the commit of step 3, once"
         first, second = out["calls"]
@@ -144,14 +154,14 @@ def test_a_hosts_update_in_the_store_interrupts_every_rank_at_the_same_commit_an
         assert out["final_step"] == 5 and out["history"] == [0, 1, 2, 3, 4]
 
 
-def _always_failing_job() -> dict[str, Any]:
-    hora.init()
+def _always_failing() -> dict[str, Any]:
+    start = generation()
     generations: list[int] = []
     state = hora.elastic.ObjectState(step=0)
 
     @hora.elastic.run
     def train(state: hora.elastic.ObjectState) -> None:
-        generations.append(_generation())
+        generations.append(generation() - start)
         hora.allreduce(np.array([1.0]), op=hora.Sum, name="work")
         raise HorovodInternalError("a peer failed (simulated on every rank)")
 
@@ -160,13 +170,11 @@ def _always_failing_job() -> dict[str, Any]:
         outcome = "returned"
     except hora.HoraError as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    hora.shutdown()
     return {"generations": generations, "outcome": outcome}
 
 
-def test_the_reset_limit_stops_with_an_error_naming_the_count_world_size_2():
-    results = hora.run(_always_failing_job, np=2, env={**JOB_ENV, "HORA_ELASTIC_RESET_LIMIT": "2"})
-    for out in results:
+def test_the_reset_limit_stops_with_an_error_naming_the_count_world_size_2(job: JobResults):
+    for out in job.all("reset_limit"):
         assert out["generations"] == [0, 1, 2]
         assert out["outcome"].startswith("ResetLimitError: ")
         assert "reset 2 time(s)" in out["outcome"] and "HORA_ELASTIC_RESET_LIMIT=2" in out["outcome"]
@@ -194,7 +202,7 @@ def _many_resets_job() -> dict[str, Any]:
     @hora.elastic.run
     def train(state: hora.elastic.ObjectState) -> int:
         total = hora.allreduce(np.ones(1 << 16), op=hora.Sum, name="work")  # use the world's transport
-        calls.append({"generation": _generation(), "pid": os.getpid(), "sum": float(total[0]),
+        calls.append({"generation": generation(), "pid": os.getpid(), "sum": float(total[0]),
                       **_resources()})
         # No rank leaves this world (its peers' engines then stop) before every rank has looked.
         hora.allreduce(np.ones(1), op=hora.Sum, name="looked")

@@ -4,9 +4,11 @@ elastic model.fit that resumes at the committed epoch after a host change and af
 The callbacks are checked in this process on a recording state (no hora needed). The elastic fit runs in
 one real 2-rank job per Keras backend: TensorFlow (where the failure comes out of fit's compiled step
 as a TensorFlow error that ``run`` recognises) and torch (where the step runs eagerly and TensorFlow is
-never imported). The jobs start through hora.run without the elastic driver, so the resets are ones
-every rank sees: rank 0 writes the host-update key, and every rank's gradient allreduce fails at the
-same step (hora's batched.start is replaced for that one call).
+never imported). Those jobs are shared with test_tensorflow_elastic.py and test_torch_elastic.py
+(shared_jobs.py says why), so the fit counts rendezvous rounds from the one its section starts in. The
+jobs start through hora.run without the elastic driver, so the resets are ones every rank sees: rank 0
+writes the host-update key, and every rank's gradient allreduce fails at the same step (hora's
+batched.start is replaced for that one call).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 import hora.keras as hvd  # noqa: E402
-from hora import basics, batched  # noqa: E402
-from hora.elastic.notification import HostsUpdate, announce_hosts_update  # noqa: E402
+from hora import batched  # noqa: E402
 from hora.errors import PeerFailureError  # noqa: E402
 from hora.keras.elastic import (  # noqa: E402
     CommitStateCallback,
@@ -30,7 +31,8 @@ from hora.keras.elastic import (  # noqa: E402
     UpdateBatchStateCallback,
     UpdateEpochStateCallback,
 )
-from tf_env import run_tf_job  # noqa: E402
+from sections import JobResults  # noqa: E402
+from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -141,7 +143,7 @@ def test_keras_state_is_the_tensorflow_keras_state_on_tensorflow_and_reachable_a
 
 # (epoch, batch) of the whole run: after it rank 0 announces a host change (after a first commit: a
 # state takes what the key holds at its first check as reflected already), and at it every rank's
-# gradient allreduce fails (in the second world)
+# gradient allreduce fails (in the second world of the fit)
 ANNOUNCE_AT, FAIL_AT = (0, 2), (1, 3)
 
 
@@ -151,22 +153,22 @@ def _snapshot(model: keras.Model) -> dict[str, Any]:
             "optimizer": {v.path.split("/", 1)[1]: np.asarray(v).tolist() for v in optimizer.variables}}
 
 
-def _generation() -> int:
-    return basics._ctx.runtime.round.generation
-
-
 class InjectAndRecord(keras.callbacks.Callback):
-    """First in the list: announces the host change, arms the failure, records what ran."""
+    """First in the list: announces the host change, arms the failure, records what ran (generations
+    counted from ``start``, the fit's first)."""
 
-    def __init__(self, state: KerasState, events: dict[str, Any]) -> None:
+    def __init__(self, state: KerasState, events: dict[str, Any], start: int) -> None:
         super().__init__()
-        self.state, self.events = state, events
+        self.state, self.events, self.start = state, events, start
+
+    def _generation(self) -> int:
+        return generation() - self.start
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if batch == 0:  # after every callback's on_epoch_begin (UpdateBatchStateCallback sets it there)
             self.events["steps"].append(self.params["steps"])
-        self.events["ran"].append((_generation(), self.state.epoch, batch))
-        if (self.state.epoch, batch) == FAIL_AT and _generation() == 1:
+        self.events["ran"].append((self._generation(), self.state.epoch, batch))
+        if (self.state.epoch, batch) == FAIL_AT and self._generation() == 1:
             self.events["at_failure"] = _snapshot(self.model)
             real_start = batched.start
 
@@ -177,8 +179,8 @@ class InjectAndRecord(keras.callbacks.Callback):
             batched.start = failing_start
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if (self.state.epoch, batch) == ANNOUNCE_AT and _generation() == 0 and hvd.rank() == 0:
-            announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(id=1))
+        if (self.state.epoch, batch) == ANNOUNCE_AT and self._generation() == 0 and hvd.rank() == 0:
+            announce_host_change()
 
 
 class RecordingKerasState(KerasState):
@@ -189,10 +191,12 @@ class RecordingKerasState(KerasState):
         self.saves.append(_snapshot(self.model))
 
 
-def _fit_sections() -> list:
+def fit_sections() -> Sections:
+    """This module's sections of tests/elastic/conftest.py's ``tensorflow_job`` and ``torch_job``."""
     rank = hvd.rank()
 
     def fit() -> dict[str, Any]:
+        start = generation()
         model = _model(10 + rank)  # every rank starts different: the first sync gives them rank 0's
         model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.02)), loss="mse")
         x, y = _data(20 + rank)
@@ -201,12 +205,12 @@ def _fit_sections() -> list:
         state = RecordingKerasState(model, epoch=0, batch=0)
         initial = _snapshot(model)
         entries = []
-        callbacks = [InjectAndRecord(state, events), UpdateEpochStateCallback(state),
+        callbacks = [InjectAndRecord(state, events, start), UpdateEpochStateCallback(state),
                      UpdateBatchStateCallback(state), CommitStateCallback(state, batches_per_commit=2)]
 
         @hvd.elastic.run
         def train(state: KerasState) -> None:
-            entries.append({"pid": os.getpid(), "generation": _generation(), "epoch": state.epoch,
+            entries.append({"pid": os.getpid(), "generation": generation() - start, "epoch": state.epoch,
                             "batch": state.batch, "commits": len(state.saves), **_snapshot(state.model)})
             state.model.fit(x, y, batch_size=BATCH, epochs=EPOCHS - state.epoch, shuffle=False, verbose=0,
                             callbacks=callbacks)
@@ -216,14 +220,15 @@ def _fit_sections() -> list:
                 "at_failure": events["at_failure"], "final": _snapshot(model),
                 "final_state": (state.epoch, state.batch), "tensorflow_imported": "tensorflow" in sys.modules}
 
-    return [("fit", fit)]
+    return [("keras.fit", fit)]
 
 
 @pytest.fixture(scope="module", params=["tensorflow", "torch"])
 def fit_job(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     """The Keras backend, and each rank's result of the elastic fit on it."""
     pytest.importorskip(request.param)
-    return request.param, run_tf_job(_fit_sections, np=2, env={"KERAS_BACKEND": request.param}).all("fit")
+    job: JobResults = request.getfixturevalue(f"{request.param}_job")
+    return request.param, job.all("keras.fit")
 
 
 def test_elastic_fit_reforms_the_world_in_the_same_processes_and_resumes_at_the_committed_epoch_world_size_2(

@@ -3,16 +3,17 @@ recognises a collective that failed inside a ``tf.function``; an elastic custom 
 survives a host change and a failed collective in the same processes.
 
 Save and restore are checked in this process (a private size-1 job). Sync and the training loop run in
-one real 2-rank job (TensorFlow's import is slow: one job, several sections) started by hora.run without
-the elastic driver, so its resets are ones every rank sees: rank 0 writes the host-update key, and
-every rank's gradient allreduce fails at the same step (hora's batched.start is replaced for that one
-call, so the failure comes out of hora's own op inside the compiled step, as a lost peer's would).
+one real 2-rank job (TensorFlow's import is slow: one job, several sections, shared with
+test_keras_elastic.py's Keras-on-TensorFlow fit: see shared_jobs.py) started by hora.run without the
+elastic driver, so its resets are ones every rank sees: rank 0 writes the host-update key, and every
+rank's gradient allreduce fails at the same step (hora's batched.start is replaced for that one call, so
+the failure comes out of hora's own op inside the compiled step, as a lost peer's would).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,12 +23,12 @@ keras = pytest.importorskip("keras")
 
 import hora  # noqa: E402
 import hora.tensorflow as hvd  # noqa: E402
-from hora import basics, batched  # noqa: E402
+from hora import batched  # noqa: E402
 from hora.elastic import run_fn  # noqa: E402
-from hora.elastic.notification import HostsUpdate, announce_hosts_update  # noqa: E402
 from hora.errors import HorovodInternalError, PeerFailureError  # noqa: E402
 from hora.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, _raising_internal_errors  # noqa: E402
-from tf_env import run_tf_job  # noqa: E402
+from sections import JobResults  # noqa: E402
+from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -244,7 +245,8 @@ def _values(variables: list) -> list:
     return [np.asarray(v.numpy()).tolist() for v in variables]
 
 
-def _sync_sections() -> list[tuple[str, Callable[[], Any]]]:
+def sync_and_loop_sections() -> Sections:
+    """This module's sections of tests/elastic/conftest.py's ``tensorflow_job``."""
     rank = hvd.rank()
 
     def keras_state() -> dict[str, Any]:
@@ -280,14 +282,11 @@ BATCH, STEPS, EPOCHS = 4, 4, 2
 ANNOUNCE_AT, FAIL_AT = (0, 3), (1, 3)
 
 
-def _generation() -> int:
-    return basics._ctx.runtime.round.generation
-
-
 def _elastic_loop() -> dict[str, Any]:
     """A custom TensorFlow loop under hvd.elastic.run: a tf.function step with DistributedGradientTape and a
     commit after every second step. ``state.batch`` is the next step to take, so a commit after the
-    last step of an epoch says the epoch is done."""
+    last step of an epoch says the epoch is done. Generations count from the one the section starts in."""
+    start = generation()
     rank = hvd.rank()
     model, optimizer = _model(30 + rank), keras.optimizers.Adam(0.05)
     x, y = _data(40 + rank, BATCH * STEPS)
@@ -319,7 +318,7 @@ def _elastic_loop() -> dict[str, Any]:
 
     @hvd.elastic.run
     def train(state: TensorFlowKerasState) -> None:
-        entries.append({"pid": os.getpid(), "generation": _generation(), "epoch": state.epoch,
+        entries.append({"pid": os.getpid(), "generation": generation() - start, "epoch": state.epoch,
                         "batch": state.batch, **_snapshot(model, optimizer)})
         while state.epoch < EPOCHS:
             while state.batch < STEPS:
@@ -330,8 +329,8 @@ def _elastic_loop() -> dict[str, Any]:
                     batched.start = failing_start  # this step's gradient allreduce fails on every rank
                 rows = slice(state.batch * BATCH, (state.batch + 1) * BATCH)
                 train_step(x[rows], y[rows])
-                if (state.epoch, state.batch) == ANNOUNCE_AT and rank == 0 and _generation() == 0:
-                    announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(id=1))
+                if (state.epoch, state.batch) == ANNOUNCE_AT and rank == 0 and generation() == start:
+                    announce_host_change()
                 state.batch += 1
                 if state.batch % 2 == 0:
                     commit()
@@ -347,8 +346,8 @@ def _elastic_loop() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def job() -> Any:
-    return run_tf_job(_sync_sections, np=2)
+def job(tensorflow_job: JobResults) -> JobResults:
+    return tensorflow_job
 
 
 def test_sync_gives_every_rank_rank_0s_weights_optimizer_state_and_attributes_world_size_2(job: Any) -> None:

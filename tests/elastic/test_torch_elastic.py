@@ -3,9 +3,9 @@ an elastic torch training loop that survives a failed collective and a host chan
 
 The sampler's arithmetic is checked in this process with the world given explicitly (a subclass
 overrides the private ``_world``), for sizes a job cannot change to without the elastic driver, which
-does not exist yet. TorchState and the training loop run in real 2-rank jobs; their resets are ones
-that every rank sees (all ranks raise HorovodInternalError at the same step, or rank 0 writes the
-host-update key).
+does not exist yet. TorchState and the training loop run in a real 2-rank job (shared with
+test_keras_elastic.py's Keras-on-torch sections: see shared_jobs.py); its resets are ones that every
+rank sees (all ranks raise HorovodInternalError at the same step, or rank 0 writes the host-update key).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ torch = pytest.importorskip("torch")
 
 import hora  # noqa: E402
 import hora.torch as hvd  # noqa: E402
-from hora import basics  # noqa: E402
-from hora.elastic.notification import HostsUpdate, announce_hosts_update  # noqa: E402
 from hora.errors import HorovodInternalError  # noqa: E402
 from hora.torch.elastic import ElasticSampler, TorchState, run  # noqa: E402
-from sections import run_job  # noqa: E402
+from sections import JobResults  # noqa: E402
+from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,7 +187,7 @@ def test_sampler_needs_hora_initialised(uninitialised: None) -> None:
         ElasticSampler(range(4))
 
 
-# ---- TorchState and the elastic loop, in real 2-rank jobs --------------------------------------------
+# ---- TorchState and the elastic loop, in a real 2-rank job -------------------------------------------
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -225,7 +224,12 @@ def _new_state(seed: int) -> TorchState:
     return TorchState(model, optimizer, scheduler=scheduler, sampler=sampler, epoch=0, history=[seed])
 
 
-def _state_sections() -> list[tuple[str, Any]]:
+def state_and_training_sections() -> Sections:
+    """This module's sections of tests/elastic/conftest.py's ``torch_job``."""
+    return _state_sections() + [("training", _elastic_training)]
+
+
+def _state_sections() -> Sections:
     rank = hora.rank()
     state = _new_state(seed=rank)  # every rank starts different: sync must make them equal
 
@@ -265,20 +269,16 @@ def _state_sections() -> list[tuple[str, Any]]:
     return [("restore", restore), ("sync", sync), ("reassigned", follows_reassigned_model)]
 
 
-@pytest.fixture(scope="module")
-def state_job() -> Any:
-    return run_job(_state_sections, np=2)
-
-
-def test_restore_gives_back_the_committed_model_optimizer_scheduler_sampler_and_attributes(state_job: Any) -> None:
+def test_restore_gives_back_the_committed_model_optimizer_scheduler_sampler_and_attributes(
+        torch_job: JobResults) -> None:
     for rank in (0, 1):
-        result = state_job.get("restore", rank)
+        result = torch_job.get("restore", rank)
         assert result["changed"] == [True, True]
         assert result["restored"]
 
 
-def test_sync_gives_every_rank_rank_0s_model_optimizer_scheduler_and_attributes(state_job: Any) -> None:
-    zero, one = state_job.all("sync")
+def test_sync_gives_every_rank_rank_0s_model_optimizer_scheduler_and_attributes(torch_job: JobResults) -> None:
+    zero, one = torch_job.all("sync")
     assert zero["snapshot"] == one["snapshot"]
     assert zero["snapshot"]["history"] == [0, 1] and zero["snapshot"]["lr"] == [0.005]
     # Every rank's recorded indices count: 8 from record_batch, 30 and 31 from record_indices.
@@ -288,8 +288,8 @@ def test_sync_gives_every_rank_rank_0s_model_optimizer_scheduler_and_attributes(
                       set(range(40)) - zero["snapshot"]["sampler"]["processed_indices"])
 
 
-def test_state_follows_a_reassigned_model(state_job: Any) -> None:
-    assert state_job.get("reassigned", 0) == state_job.get("reassigned", 1)
+def test_state_follows_a_reassigned_model(torch_job: JobResults) -> None:
+    assert torch_job.get("reassigned", 0) == torch_job.get("reassigned", 1)
 
 
 N, BATCH, EPOCHS = 24, 2, 2  # 2 ranks: 6 steps per epoch
@@ -300,10 +300,11 @@ def _plain(model: torch.nn.Module) -> dict[str, Any]:
     return {k: v.tolist() for k, v in model.state_dict().items()}
 
 
-def _elastic_training_job() -> dict[str, Any]:
+def _elastic_training() -> dict[str, Any]:
     """A training loop under hora.torch.elastic.run: every step all-gathers what every rank processed
-    into ``state.seen`` (part of the state, so a restore drops steps after the last commit)."""
-    hvd.init()
+    into ``state.seen`` (part of the state, so a restore drops steps after the last commit).
+    Generations are counted from the one this section starts in."""
+    start = generation()
     entries: list[dict[str, Any]] = []
     injected = {"announced": False, "failed": False}
     snapshots: dict[str, Any] = {}
@@ -316,7 +317,7 @@ def _elastic_training_job() -> dict[str, Any]:
 
     @run
     def train(state: TorchState) -> int:
-        entries.append({"pid": os.getpid(), "generation": basics._ctx.runtime.round.generation,
+        entries.append({"pid": os.getpid(), "generation": generation() - start,
                         "size": hvd.size(), "epoch": state.epoch,
                         "model": _plain(state.model), "before_commit": snapshots.get("before_commit"),
                         "last_commit": snapshots.get("last_commit"), "at_failure": snapshots.get("at_failure")})
@@ -329,7 +330,7 @@ def _elastic_training_job() -> dict[str, Any]:
                     raise HorovodInternalError("injected: every rank fails at the same step")
                 if (state.epoch, step) == ANNOUNCE_AT and not injected["announced"] and hvd.rank() == 0:
                     injected["announced"] = True
-                    announce_hosts_update(basics._ctx.runtime.store, HostsUpdate(id=1))
+                    announce_host_change()
                 _train_step(state.model, state.optimizer, dataset[indices])
                 state.seen[state.epoch].extend(i for part in hvd.allgather_object(indices.tolist()) for i in part)
                 state.train_sampler.record_batch(step, BATCH)
@@ -345,16 +346,13 @@ def _elastic_training_job() -> dict[str, Any]:
     calls = train(state)
     # Parameters only: BatchNorm's running statistics are each rank's own between syncs.
     final = {k: v.tolist() for k, v in state.model.named_parameters()}
-    result = {"calls": calls, "entries": entries, "seen": state.seen, "final": final,
-              "generation": basics._ctx.runtime.round.generation}
-    hvd.shutdown()
-    return result
+    return {"calls": calls, "entries": entries, "seen": state.seen, "final": final,
+            "generation": generation() - start}
 
 
 @pytest.fixture(scope="module")
-def training_job() -> list[dict[str, Any]]:
-    return hora.run(_elastic_training_job, np=2, env={"HORA_STALL_SHUTDOWN_TIME_SECONDS": "45",
-                                                      "HORA_STALL_CHECK_TIME_SECONDS": "20"})
+def training_job(torch_job: JobResults) -> list[dict[str, Any]]:
+    return torch_job.all("training")
 
 
 def test_elastic_loop_reforms_the_world_in_the_same_processes_as_new_rounds(training_job: list[dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""Real Ray for the tests: one local instance, or a multi-node test cluster, per test module.
+"""Real Ray for the tests: one local instance, or a multi-node test cluster, shared by the modules
+that need the same one (:class:`SharedRay`, used by this folder's conftest).
 
 Ray's test cluster (``ray.cluster_utils.Cluster``) runs every node as its own raylet on this
 machine, all on one address, which is what makes node ids, not addresses, the thing hora.ray must
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import pytest
 
@@ -68,6 +69,38 @@ def ray_test_cluster(nodes: list[dict[str, Any]], system_config: dict[str, Any] 
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+#: The logical CPUs of the local instance the single-node tests share.
+LOCAL_CPUS = 4
+
+#: The cluster checks node health every half second, so a lost node is noticed fast.
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                      "health_check_failure_threshold": 4}
+
+
+class SharedRay:
+    """At most one Ray open (a local instance or a test cluster), kept while callers ask for the
+    same one by name: a caller asking for another shuts it down and starts its own."""
+
+    def __init__(self) -> None:
+        self._name: str | None = None
+        self._context: ContextManager[Any] | None = None
+        self._value: Any = None
+
+    def get(self, name: str, start: Callable[[], ContextManager[Any]]) -> Any:
+        """The Ray called ``name``, started with ``start()`` unless it is the one open."""
+        if name != self._name:
+            self.close()
+            context = start()
+            self._value = context.__enter__()
+            self._context, self._name = context, name
+        return self._value
+
+    def close(self) -> None:
+        context, self._context, self._name, self._value = self._context, None, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 def alive_node_ids() -> set[str]:

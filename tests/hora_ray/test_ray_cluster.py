@@ -16,14 +16,12 @@ ray = pytest.importorskip("ray")
 
 import hora  # noqa: E402
 from hora.ray import PlacementGroupTimeoutError, RayExecutor  # noqa: E402
-from ray_testing import ray_test_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    node = {"num_cpus": 2, "num_gpus": 2}
-    with ray_test_cluster([node, node]) as two_nodes:
-        yield two_nodes
+def cluster(ray_gpu_nodes):
+    """Two nodes of 2 CPUs and 2 GPUs each (conftest.py)."""
+    return ray_gpu_nodes
 
 
 def _placement() -> dict:

@@ -25,18 +25,14 @@ ray = pytest.importorskip("ray")
 
 from hora.errors import ConfigError, LaunchError  # noqa: E402
 from hora.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
-from ray_testing import ray_test_cluster  # noqa: E402
 
-FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                      "health_check_failure_threshold": 4}
 JOB_TIMEOUT_S = 150
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ray_test_cluster([{"num_cpus": 0}, {"num_cpus": 1}, {"num_cpus": 1}],
-                          system_config=FAST_HEALTH_CHECKS) as nodes:
-        yield nodes
+def cluster(ray_cpu_nodes):
+    """A head without CPUs and nodes of one CPU each (conftest.py; test_ray_node_loss.py shares it)."""
+    return ray_cpu_nodes
 
 
 def _cpu_nodes() -> list[dict[str, Any]]:

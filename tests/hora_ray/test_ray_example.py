@@ -4,7 +4,8 @@ examples/ray/pytorch_mnist_ray.py runs examples/pytorch_mnist.py's training thro
 workers; the same seed, epochs and threads under ``hora run -np 2`` (started alongside, in a
 subprocess) must reach the same test accuracy, within one point. examples/ray/pytorch_mnist_ray_elastic.py
 does the same for examples/elastic/pytorch_mnist_elastic.py through ElasticRayExecutor (1 to 2
-workers, on a Ray node of 2 CPUs: one world of 2), against ``hora run -np 2 --min-np 1 --max-np 2``.
+workers, on a Ray node of 4 CPUs, the local instance shared with test_ray_executor.py: one world of
+2), against ``hora run -np 2 --min-np 1 --max-np 2``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from job_env import clean_env  # noqa: E402
-from ray_testing import local_ray  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINING = ["--epochs", "2", "--seed", "42", "--num-threads", "1", "--log-interval", "1000"]
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    with local_ray(2) as instance:
-        yield instance
+def ray_instance(ray_local):
+    """The local Ray instance of conftest.py (4 CPUs), shared with test_ray_executor.py."""
+    return ray_local
 
 
 def test_ray_example_matches_hora_run_accuracy(ray_instance, monkeypatch, capsys):
@@ -94,7 +94,7 @@ def test_elastic_ray_example_matches_elastic_hora_run_accuracy(ray_instance, mon
             sys.modules.pop(name, None)
     assert baseline.returncode == 0, out[-3000:]
     printed = capsys.readouterr().out
-    # The node's 2 CPUs hold both workers from the start: one world, never re-formed, as under hora run.
+    # The node's free CPUs hold both workers from the start: one world, never re-formed, as under hora run.
     assert re.search(r"ElasticRayExecutor.run returned: test accuracy [0-9.]+% after 2 epoch\(s\) on 2 worker\(s\), "
                      r"[0-9.]+ s in all; rendezvous rounds 1 \(world sizes 2\), resets 0, worker failures 0",
                      printed), printed

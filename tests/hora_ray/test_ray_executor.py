@@ -19,15 +19,14 @@ ray = pytest.importorskip("ray")
 import hora  # noqa: E402
 from hora.errors import ConfigError, HoraError, HorovodInternalError, LaunchError  # noqa: E402
 from hora.ray import ElasticRayExecutor, PlacementGroupTimeoutError, RayExecutor, ray_logger  # noqa: E402
-from ray_testing import local_ray  # noqa: E402
 
-NUM_CPUS = 4
+from ray_testing import LOCAL_CPUS as NUM_CPUS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    with local_ray(NUM_CPUS) as instance:
-        yield instance
+def ray_instance(ray_local):
+    """The local Ray instance of conftest.py (4 CPUs), shared with test_ray_example.py."""
+    return ray_local
 
 
 @pytest.fixture(scope="module")

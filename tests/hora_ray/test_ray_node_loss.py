@@ -1,9 +1,8 @@
 """A Ray node lost in the middle of ``RayExecutor.run``: run raises HorovodInternalError naming the
-rank and the node, within a bound, instead of hanging. Its own test cluster (a head and two nodes for
-the workers), since the test
-takes a node away (the cluster checks node health every half second, so a lost node is noticed fast).
-The node taken away is never the one this process, the driver, is attached to: Ray ends a driver
-whose own raylet dies.
+rank and the node, within a bound, instead of hanging. On a test cluster (a head and nodes of one
+CPU for the workers: the one test_ray_elastic.py also uses, see conftest.py) that checks node health
+every half second, so a lost node is noticed fast. The node taken away is never the one this
+process, the driver, is attached to: Ray ends a driver whose own raylet dies.
 """
 
 from __future__ import annotations
@@ -21,19 +20,16 @@ ray = pytest.importorskip("ray")
 import hora  # noqa: E402
 from hora.errors import HorovodInternalError  # noqa: E402
 from hora.ray import RayExecutor  # noqa: E402
-from ray_testing import ray_test_cluster  # noqa: E402
-
-FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                      "health_check_failure_threshold": 4}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    # A head without CPUs (it holds the cluster's control store, so it must stay) and two nodes for
-    # the workers. This process, the driver, attaches to one of the three raylets, all on one address.
-    with ray_test_cluster([{"num_cpus": 0}, {"num_cpus": 1}, {"num_cpus": 1}],
-                          system_config=FAST_HEALTH_CHECKS) as nodes:
-        yield nodes
+def cluster(ray_cpu_nodes):
+    """A head without CPUs (it holds the cluster's control store, so it must stay) and nodes of one
+    CPU for the workers, at least two (conftest.py; test_ray_elastic.py may have added some)."""
+    while len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]) < 2:
+        ray_cpu_nodes.add_node(num_cpus=1)
+    ray_cpu_nodes.wait_for_nodes()
+    return ray_cpu_nodes
 
 
 def _train_until_stopped(ready_dir: str) -> str:
@@ -68,7 +64,9 @@ def test_a_lost_node_makes_run_raise_horovod_internal_error_naming_rank_and_node
         assert len(ranks) == 2, "the workers never started training"
         # A node with a rank, but not the one this driver is attached to (losing that ends the driver).
         driver_node = ray.get_runtime_context().get_node_id()
-        doomed = next(node for node in cluster.worker_nodes if node.node_id != driver_node)
+        with_ranks = {r["node"] for r in ranks}
+        doomed = next(node for node in cluster.worker_nodes
+                      if node.node_id != driver_node and node.node_id in with_ranks)
         lost = next(r for r in ranks if r["node"] == doomed.node_id)
         began = time.monotonic()
         cluster.remove_node(doomed, allow_graceful=False)

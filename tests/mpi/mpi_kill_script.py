@@ -4,6 +4,9 @@ The survivors keep allreducing; each writes what it saw to ``<out>/rank<N>.json`
 collective fails (by default mpirun kills the whole job soon after a rank dies, so stdout may be lost
 and a survivor may be killed before it gets there; under ``--enable-recovery`` it is not).
 Usage: python mpi_kill_script.py OUT_DIR
+
+The collectives are hora's own on NumPy arrays (the framework bindings raise the same
+HorovodInternalError from the same engine): no rank pays seconds to import torch.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ import signal
 import sys
 import time
 
-import torch
+import numpy as np
 
-import hora.torch as hvd
+import hora
 
 out = sys.argv[1]
-hvd.init()
-me = hvd.rank()
+hora.init()
+me = hora.rank()
 step = 0
 try:
     while True:
@@ -29,9 +32,9 @@ try:
             with open(os.path.join(out, "killed_at"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        hvd.allreduce(torch.ones(1000), name=f"grad.{step}")
+        hora.allreduce(np.ones(1000, dtype=np.float32), name=f"grad.{step}")
 except Exception as exc:  # noqa: BLE001 - what a survivor sees is the test's subject
-    record = {"type": type(exc).__name__, "is_internal": isinstance(exc, hvd.HorovodInternalError),
+    record = {"type": type(exc).__name__, "is_internal": isinstance(exc, hora.HorovodInternalError),
               "message": str(exc), "at": time.time(), "step": step}
     with open(os.path.join(out, f"rank{me}.json.tmp"), "w") as f:
         json.dump(record, f)

@@ -1,10 +1,13 @@
-"""Real Spark for the tests: a local-mode session (or a local-cluster one) per test module.
+"""Real Spark for the tests: a local-mode session or a local-cluster one, shared by the modules that
+need the same master (:class:`SharedSpark`, used by this folder's conftest).
 
-Spark allows one SparkContext per process, so each module starts its session in a module-scoped
-fixture and stops it at the end. The session's Python workers run this interpreter
-(``PYSPARK_PYTHON``) and inherit no hora variables from this process; the web UI is off (start-up
-time). ``local[2]`` gives 2 task slots in one JVM; ``local-cluster[2,1,1024]`` starts 2 executor
-JVMs of one core each on this machine, the nearest thing to a cluster that runs here.
+Spark allows one SparkContext per process, so a session is stopped before one on another master
+starts. The session's Python workers run this interpreter (``PYSPARK_PYTHON``) and inherit no hora
+variables from this process; the web UI is off (start-up time), and the JVMs run with
+:data:`JVM_OPTIONS` (the driver's take effect when this process starts its first session: it keeps
+that JVM for later ones). ``local[2]`` gives 2 task slots in one JVM; ``local-cluster[2,1,1024]``
+starts 2 executor JVMs of one core each on this machine, the nearest thing to a cluster that runs
+here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from job_env import is_hora_variable
 
 LOCAL = "local[2]"
 LOCAL_CLUSTER = "local-cluster[2,1,1024]"
+#: For the driver JVM and the executor JVMs: the tests run small jobs for a few minutes, where the
+#: optimising JIT compiler (C2) and the parallel collector's threads cost far more CPU than they
+#: win back (about 40% of the JVM's CPU in a test_data-sized run); C1 alone compiles the hot code.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 @contextlib.contextmanager
@@ -38,6 +45,8 @@ def spark_session(master: str = LOCAL, **conf: str) -> Iterator[Any]:
                    .config("spark.ui.enabled", "false")
                    .config("spark.ui.showConsoleProgress", "false")
                    .config("spark.sql.shuffle.partitions", "2")
+                   .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+                   .config("spark.executor.extraJavaOptions", JVM_OPTIONS)
                    .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(p for p in sys.path if p)))
         for key, value in conf.items():
             builder = builder.config(key, value)
@@ -48,6 +57,30 @@ def spark_session(master: str = LOCAL, **conf: str) -> Iterator[Any]:
         finally:
             session.stop()
     del pyspark
+
+
+class SharedSpark:
+    """At most one open :func:`spark_session`, kept while callers ask for the same master and conf:
+    a caller asking for another stops it and starts its own."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, tuple[tuple[str, str], ...]] | None = None
+        self._context: contextlib.AbstractContextManager[Any] | None = None
+        self._session: Any = None
+
+    def get(self, master: str, **conf: str) -> Any:
+        key = (master, tuple(sorted(conf.items())))
+        if key != self._key:
+            self.close()
+            context = spark_session(master, **conf)
+            self._session = context.__enter__()
+            self._context, self._key = context, key
+        return self._session
+
+    def close(self) -> None:
+        context, self._context, self._key, self._session = self._context, None, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 def run_example(module: str, argv: list[str], monkeypatch: Any) -> Any:

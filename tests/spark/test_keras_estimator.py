@@ -1,11 +1,14 @@
 """hora.spark.keras.KerasEstimator on a real Spark (local mode, 2 task slots): fitted on a DataFrame of
-the digits data with a small Dense network, it reaches 90% validation accuracy in 10 epochs on 2
+the digits data with a small Dense network, it reaches 90% validation accuracy in 5 epochs on 2
 processes, its model predicts every row in the executors, checkpoints into the store, round-trips
 through Spark ML persistence as .keras bytes (not pickled TensorFlow objects) with equal
 predictions, and bad input fails before any training starts, naming the column or the problem.
 
-One 10-epoch fit is shared by the module's tests (a fit starts TensorFlow in two Spark workers,
-the slow part on this machine).
+One fit is shared by the module's tests (a fit starts TensorFlow in two Spark workers, the slow
+part on this machine). Five epochs, here and for the example: with Adam at 0.01 this network's
+validation accuracy on the digits levels off by the third or fourth epoch (0.93 to 0.97 across
+seeds), so the 90% bar keeps the margin it had at 10 epochs, while every Keras epoch (validation,
+a checkpoint written into the store) costs about a second of CPU per process.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from hora.errors import ConfigError  # noqa: E402
 from hora.spark.common.store import Store  # noqa: E402
 from hora.spark.keras import KerasEstimator, KerasModel  # noqa: E402
 
-EPOCHS = 10
+EPOCHS = 5
+# The first test also waits for the shared fit (TensorFlow imported in two Spark workers, and in
+# this process the Spark session when the module runs alone): minutes on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,9 @@ def test_a_pipeline_stage_on_vectors_reshaped_and_weighted_saves_and_loads(spark
 def test_the_pipeline_example_reaches_90_percent_on_held_out_digits(spark, monkeypatch, capsys):
     from spark_testing import run_example
 
-    accuracy = run_example("keras_spark_mnist", ["--num-proc", "2", "--epochs", "10"], monkeypatch)
+    accuracy = run_example("keras_spark_mnist", ["--num-proc", "2", "--epochs", str(EPOCHS)], monkeypatch)
     printed = capsys.readouterr().out
-    assert re.search(r"KerasEstimator: 10 epoch\(s\) on 2 process\(es\) in [0-9.]+ s; validation accuracy", printed)
+    assert re.search(rf"KerasEstimator: {EPOCHS} epoch\(s\) on 2 process\(es\) in [0-9.]+ s; validation accuracy",
+                     printed)
     assert accuracy >= 0.90
     print(f"\nexamples/spark/keras_spark_mnist.py: held-out accuracy {100 * accuracy:.2f}%")

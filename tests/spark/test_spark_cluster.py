@@ -17,17 +17,6 @@ pytest.importorskip("pyspark")
 import hora  # noqa: E402
 import hora.spark  # noqa: E402
 from hora.errors import LaunchError  # noqa: E402
-from spark_testing import LOCAL_CLUSTER, spark_session  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def spark():
-    with spark_session(LOCAL_CLUSTER) as session:
-        # Executors register after the session starts: wait (bounded) until both are up.
-        deadline = time.monotonic() + 120
-        while hora.spark.runner.task_slots(session.sparkContext) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        yield session
 
 
 def _where() -> dict:
@@ -39,7 +28,7 @@ def _where() -> dict:
             "partition": TaskContext.get().partitionId(), "total": total.tolist()}
 
 
-def test_tasks_in_two_executors_form_one_world(spark):
+def test_tasks_in_two_executors_form_one_world(spark_cluster):
     results = hora.spark.run(_where, num_proc=2, start_timeout=120)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["total"] == [0.0, 3.0, 6.0, 9.0] for r in results)
@@ -70,7 +59,7 @@ def _executor_jvm_pid() -> int:
     raise RuntimeError("the executor JVM was not found among this process's parents")
 
 
-def test_a_lost_executor_ends_the_call_with_a_clear_error(spark, tmp_path):
+def test_a_lost_executor_ends_the_call_with_a_clear_error(spark_cluster, tmp_path):
     began = time.monotonic()
     with pytest.raises(LaunchError) as info:
         hora.spark.run(_kill_my_executor_on_rank_1, args=(str(tmp_path / "killed"),), num_proc=2,

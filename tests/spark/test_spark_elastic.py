@@ -1,10 +1,7 @@
-"""hora.spark.run_elastic on a real Spark: local mode for the plain run and the bounds, local-cluster
-mode (two executor JVMs on this machine) for a lost executor. Training survives the loss: the
-world re-forms on the other executor from the last commit, and when Spark runs the lost agent task
-again on the executor the cluster started in its place, the world grows back.
-
-The two Spark modes need two sessions (one SparkContext per process), started one after the other
-by the two module fixtures below, each for the tests that name it.
+"""hora.spark.run_elastic on a real Spark in local-cluster mode (two executor JVMs on this machine;
+the session conftest.py shares with test_spark_cluster.py). Training survives the loss of an
+executor: the world re-forms on the other executor from the last commit, and when Spark runs the
+lost agent task again on the executor the cluster started in its place, the world grows back.
 """
 
 from __future__ import annotations
@@ -21,16 +18,6 @@ pytest.importorskip("pyspark")
 import hora  # noqa: E402
 import hora.spark  # noqa: E402
 from hora.errors import ConfigError, LaunchError  # noqa: E402
-from spark_testing import LOCAL_CLUSTER, spark_session  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with spark_session(LOCAL_CLUSTER, **{"spark.task.maxFailures": "4"}) as session:
-        deadline = time.monotonic() + 120
-        while hora.spark.runner.task_slots(session.sparkContext) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        yield session
 
 
 def _train(steps: int, kill_marker: str | None = None, step_seconds: float = 0.02) -> dict[str, Any]:
@@ -81,14 +68,14 @@ def _sizes(log: list) -> list[int]:
     return sizes
 
 
-def test_run_elastic_trains_and_returns_the_final_world(cluster):
+def test_run_elastic_trains_and_returns_the_final_world(spark_cluster):
     results = hora.spark.run_elastic(_train, args=(15,), num_proc=2, min_np=1, max_np=2, elastic_timeout=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["size"] == 2 and r["total"] == 30.0 for r in results)
     assert all({g for _, _, g in r["log"]} == {0} for r in results)  # one world, never re-formed
 
 
-def test_a_lost_executor_shrinks_the_world_and_its_replacement_grows_it_back(cluster, tmp_path):
+def test_a_lost_executor_shrinks_the_world_and_its_replacement_grows_it_back(spark_cluster, tmp_path):
     marker = str(tmp_path / "killed")
     began = time.monotonic()
     results = hora.spark.run_elastic(_train, args=(400, marker), num_proc=2, min_np=1, max_np=2,
@@ -112,7 +99,7 @@ def test_a_lost_executor_shrinks_the_world_and_its_replacement_grows_it_back(clu
                                                  for s in sorted(set(sizes))))
 
 
-def test_too_few_slots_for_min_np_end_within_the_elastic_timeout(cluster):
+def test_too_few_slots_for_min_np_end_within_the_elastic_timeout(spark_cluster):
     began = time.monotonic()
     with pytest.raises(LaunchError, match=r"fewer than 3 usable slot\(s\) for 4 s") as info:
         hora.spark.run_elastic(_train, args=(5,), num_proc=3, min_np=3, max_np=3, elastic_timeout=4)
@@ -120,7 +107,7 @@ def test_too_few_slots_for_min_np_end_within_the_elastic_timeout(cluster):
     assert "\n" not in str(info.value)
 
 
-def test_bad_elastic_arguments_are_refused(cluster):
+def test_bad_elastic_arguments_are_refused(spark_cluster):
     with pytest.raises(ConfigError, match="give min_num_proc or min_np, not both"):
         hora.spark.run_elastic(_train, num_proc=2, min_num_proc=1, min_np=2)
     with pytest.raises(ConfigError, match="min-np 3 is greater than --max-np 2"):

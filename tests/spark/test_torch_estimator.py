@@ -3,6 +3,9 @@ the digits data, it reaches 90% validation accuracy, its model predicts every ro
 and round-trips through Spark ML persistence, it fits inside a Pipeline, and bad input fails before
 any training starts, naming the column or the problem. Two estimators fitted one after the other on
 one store and run_id keep their data apart.
+
+The accuracy test and the persistence test share one 10-epoch fit (a fit is several Spark jobs and
+a barrier stage of two training tasks, the slow part here).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ pytest.importorskip("sklearn")
 from hora.errors import ConfigError  # noqa: E402
 from hora.spark.common.store import Store  # noqa: E402
 from hora.spark.torch import TorchEstimator, TorchModel  # noqa: E402
+
+# The first test also waits for the shared fit (torch imported in two Spark workers, and the Spark
+# session when the module runs alone): minutes on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +63,15 @@ def _estimator(store, **overrides) -> TorchEstimator:
     return TorchEstimator(**settings)
 
 
-def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(spark, digits, tmp_path):
-    store = Store.create(str(tmp_path / "store"))
-    model = _estimator(store).fit(digits)
+@pytest.fixture(scope="module")
+def fitted(spark, digits, tmp_path_factory):
+    """One 10-epoch fit for the tests that check its accuracy and its persistence."""
+    store = Store.create(str(tmp_path_factory.mktemp("torch") / "store"))
+    return _estimator(store).fit(digits), store
+
+
+def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(fitted, digits):
+    model, store = fitted
     history = model.getHistory()
     assert len(history["loss"]) == 10 and len(history["val_accuracy"]) == 10
     run_id = model.getOrDefault(model.run_id)
@@ -76,9 +89,8 @@ def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(spark
           f"transform accuracy {hits / len(predicted):.3f}")
 
 
-def test_the_model_round_trips_through_spark_ml_persistence(spark, digits, tmp_path):
-    store = Store.create(str(tmp_path / "store"))
-    model = _estimator(store, epochs=2).fit(digits)
+def test_the_model_round_trips_through_spark_ml_persistence(fitted, digits, tmp_path):
+    model, _ = fitted
     path = str(tmp_path / "saved")
     model.write().overwrite().save(path)
     loaded = TorchModel.load(path)

@@ -39,12 +39,14 @@ def hora_run(*args: str, timeout: float = 30, env: dict[str, str] | None = None)
                           env=clean_env({**WORKER_ENV, **(env or {})}))
 
 
-def assert_rank_0_on_localhost_blacklisted(stderr: str, fault: str, failed_pid: int, context: str = "") -> None:
-    """The launcher named the failed rank 0, its host and the cause, and blacklisted localhost
-    (the fault tests' hosts are localhost:2,127.0.0.1:2; ``fault`` is "raise" or "kill")."""
+def assert_rank_0_blacklisted(stderr: str, fault: str, failed_pid: int, context: str = "",
+                              host: str = "localhost", worker: int = 0) -> None:
+    """The launcher named the failed rank 0, its host and the cause, and blacklisted that host
+    (by default localhost, where the fault tests' first worker runs; ``fault`` is "raise" or "kill")."""
     cause = "exited with status 1" if fault == "raise" else r"was killed by signal SIGKILL \(9\)"
     launcher = [line for line in stderr.splitlines() if line.startswith("hora run:")]
-    pattern = rf"rank 0 on localhost \(worker 0, pid {failed_pid}\) {cause}; blacklisting localhost"
+    name = re.escape(host)
+    pattern = rf"rank 0 on {name} \(worker {worker}, pid {failed_pid}\) {cause}; blacklisting {name}"
     assert any(re.search(pattern, line) for line in launcher), context
     if fault == "raise":
         assert "RuntimeError: injected failure" in stderr, context
