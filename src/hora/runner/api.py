@@ -215,7 +215,7 @@ def _run_elastic(request: ElasticRequest, command: list[str], payload: bytes, ex
                                 last.host if last else "", last.returncode if last else 1)
     final = outcome.world
     hostnames = {rank: host for rank, host in (final.members if final else ())}
-    return _collect(outcome, collected, hostnames)
+    return _collect(outcome, collected, hostnames, size=final.size if final else None)
 
 
 def _same(name: str, value: int | None, alias: str, alias_value: int | None) -> int | None:
@@ -248,8 +248,13 @@ def refuse_unsupported(where: str, allow_mpi: bool = False, **options: Any) -> N
                                 else f"{where}: mpi_args is given without use_mpi=True; it is mpirun's")
 
 
-def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapping[int, str]) -> list[Any]:
-    """Each rank's result, or the exception that stands for the job's first failure."""
+def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapping[int, str],
+             size: int | None = None) -> list[Any]:
+    """Each rank's result, or the exception that stands for the job's first failure.
+
+    ``size``: how many ranks returned results, where that differs from the workers the job counted
+    (an elastic job counts the worker it started for a round that never formed; its results come
+    from the final world alone)."""
     if outcome.failure is not None:
         failure = outcome.failure
         blob = blobs.get(failure.rank)
@@ -262,7 +267,7 @@ def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapp
             failure.rank, failure.host, failure.returncode,
         )
     results: list[Any] = []
-    for rank in range(outcome.size):
+    for rank in range(outcome.size if size is None else size):
         blob = blobs.get(rank)
         if blob is None:
             raise WorkerFailedError(
