@@ -30,7 +30,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 SIZES = (1024, 16 * 1024, 256 * 1024)  # float32 elements: 4 KiB, 64 KiB, 1 MiB
 TENSORS = 48

@@ -62,7 +62,7 @@ def worker(size_mib: float, iters: int, warmup: int, out: str, in_place: bool = 
 
     hora.init()
     data = np.ones(int(size_mib * MiB) // 4, dtype=np.float32)
-    for i in range(warmup):
+    for _ in range(warmup):
         hora.allreduce(data, op=hora.Sum, name="cluster_allreduce")
     times, cpu_fractions, machine = [], [], []
     for _ in range(iters):

@@ -19,7 +19,8 @@ same, but the processes are warm and shared, so report numbers from fresh ones, 
 Ratios compare the public API in place (numpy = ``hora.allreduce_``, torch = ``hora.torch.allreduce_``,
 summing as Gloo's and MPI's in-place calls here do) with Gloo and MPI: ``bw np/X`` above 1 means
 hora moves data faster; ``lat np/X`` above 1 means hora takes longer per call. The out-of-place
-calls (a new array or tensor per call) are in the JSON rows as ``numpy_oop`` and ``torch_oop``. A library that is not installed is skipped with a note.
+calls (a new array or tensor per call) are in the JSON rows as ``numpy_oop`` and ``torch_oop``. A
+library that is not installed is skipped with a note.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_SIZES = tuple(4 * 4**k for k in range(13))  # 4 B .. 64 MiB
 RESULT_TAG = "COMPARE_ALLREDUCE_RESULT "
@@ -245,7 +247,7 @@ def available(note: Callable[[str], None]) -> dict[str, Callable[..., dict[int, 
     else:
         note("skipping gloo: torch is not installed (pip install torch)")
     try:
-        import mpi4py  # noqa: F401
+        import mpi4py  # noqa: F401 - only to check it is installed
 
         if shutil.which("mpirun"):
             runners["mpi"] = run_mpi
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="timed calls per size for small sizes (default 50)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per size (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best per size wins (default 3)")
-    parser.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated subset of hora,numpy,torch,hora_tcp,gloo,mpi")
+    parser.add_argument("--only", default=",".join(LIBRARIES),
+                        help="comma-separated subset of hora,numpy,torch,hora_tcp,gloo,mpi")
     parser.add_argument("--shared-workers", action="store_true",
                         help="run every library but MPI in one set of workers started once: less start-up; "
                              "the processes are warm and shared, so not for results")
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         try:
             results = run_shared(turns, args.sizes, args.iters, args.warmup, args.np)
-        except Exception as exc:  # noqa: BLE001 - MPI still runs
+        except Exception as exc:  # MPI still runs
             note(f"the shared workers failed; dropping {','.join(shared)}: {type(exc).__name__}: {exc}")
             results = []
         for lib, times in zip(turns, results):
@@ -379,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             try:
                 times = runners[lib](args.sizes, args.iters, args.warmup, args.np)
-            except Exception as exc:  # noqa: BLE001 - one library failing must not hide the others
+            except Exception as exc:  # one library failing must not hide the others
                 note(f"{lib} failed in round {round_index + 1}; dropping it: {type(exc).__name__}: {exc}")
                 del runners[lib]
                 continue

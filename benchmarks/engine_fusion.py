@@ -39,8 +39,8 @@ def worker(steps: int, warmup: int, rounds: int) -> dict[str, Any] | None:
 
     import hora
     from hora import basics
-    from hora.transport import ReduceOp
     from hora.runtime import connect_world
+    from hora.transport import ReduceOp
 
     raw = connect_world()  # formed as init forms the engine's world; every rank calls it once
     hora.init()

@@ -107,9 +107,12 @@ def run_pmap(args) -> None:
         return optax.apply_updates(params, updates), state
 
     pstep = jax.pmap(step, axis_name="workers")
+
     # pmap splits the leading axis over the devices: stack a copy per device (the params) or the
     # per-device batches.
-    replicate = lambda tree: jax.tree_util.tree_map(lambda a: jax.numpy.stack([a, a]), tree)  # noqa: E731
+    def replicate(tree):
+        return jax.tree_util.tree_map(lambda a: jax.numpy.stack([a, a]), tree)
+
     xs, ys = jax.numpy.asarray(x), jax.numpy.asarray(y)
     seconds = _time(lambda p, s: pstep(p, s, xs, ys), (replicate(params), replicate(tx.init(params))), args)
     print("RESULT", json.dumps({"seconds": seconds}), flush=True)
@@ -147,7 +150,8 @@ def main(argv=None) -> dict:
     result = {role: statistics.median(rates) for role, rates in rounds.items()}
     result["hora/pmap"] = result["hora"] / result["pmap"]
     result["rounds"] = rounds
-    result["model"] = f"MLP {args.layers}x{args.hidden}, input {3 * args.image_size ** 2}, batch {args.batch_size}/worker"
+    result["model"] = (f"MLP {args.layers}x{args.hidden}, input {3 * args.image_size ** 2}, "
+                       f"batch {args.batch_size}/worker")
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -63,7 +63,8 @@ def _worker(strategy_name: str, layers: int, width: int, batch: int, steps: int,
                 self.started = time.perf_counter()
 
     clock = Clock()
-    data = TensorDataset(torch.randn(batch * (steps + warmup) * 2, 64), torch.randint(0, 10, (batch * (steps + warmup) * 2,)))
+    data = TensorDataset(torch.randn(batch * (steps + warmup) * 2, 64),
+                         torch.randint(0, 10, (batch * (steps + warmup) * 2,)))
     if strategy_name == "hora":
         from hora.lightning import HoraStrategy
         strategy: Any = HoraStrategy()

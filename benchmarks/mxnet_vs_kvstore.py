@@ -83,7 +83,7 @@ def _train(args, trainer_for, contexts, rows: int) -> float:
             mx.nd.waitall()
             start = time.perf_counter()
         with autograd.record():
-            losses = [loss_fn(net(d), l) for d, l in zip(datas, labels)]
+            losses = [loss_fn(net(d), label) for d, label in zip(datas, labels)]
         autograd.backward(losses)
         trainer.step(rows)
     mx.nd.waitall()
@@ -154,7 +154,8 @@ def main(argv=None) -> None:
     median = {m: statistics.median(v) for m, v in rates.items()}
     result = {"workers": WORKERS, "batch_per_worker": args.batch, "hidden": args.hidden, "iters": args.iters,
               "rounds": args.rounds, "samples_per_sec": median, "all_rounds": rates,
-              "hora_over_device": median["hora"] / median["device"], "hora_over_local": median["hora"] / median["local"],
+              "hora_over_device": median["hora"] / median["device"],
+              "hora_over_local": median["hora"] / median["local"],
               "hora_over_single": median["hora"] / median["single"]}
     if args.json:
         print(json.dumps(result))

@@ -47,8 +47,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from cluster_allreduce import _machine_cpu  # noqa: E402
-from scaling_one_host import format_table, threads_of, wait_for_rank_lines  # noqa: E402
+from cluster_allreduce import _machine_cpu  # noqa: E402 - importable once HERE is on sys.path
+from scaling_one_host import format_table, threads_of, wait_for_rank_lines  # noqa: E402 - the same
 
 # argv[1]: the rank that kills itself (-1: none); argv[2]: seconds to sleep after the line. The line
 # says when the interpreter began the script, had imported hora, was initialised and had done the

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "transpor
 
 
 def main() -> int:
-    import hora
     from test_peer_failure import _dying_rank_worker, _names_rank
+
+    import hora
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=32)

@@ -20,8 +20,9 @@ script that prints one line and sleeps 8 s (so every rank still runs when the th
 counted). "start-up" is launch until every rank's line came back through the launcher (so it
 includes output routing), the threads are the launcher's while all ranks run, "exit" is launch
 until ``hora run`` returned, and "spawn" the time this process takes to start N ``/bin/true`` the
-way the launcher starts a worker (its own sequential share of the start-up). ``--launcher-python-path DIR`` runs the launcher from another
-checkout's ``src`` (to compare with an older commit).
+way the launcher starts a worker (its own sequential share of the start-up).
+``--launcher-python-path DIR`` runs the launcher from another checkout's ``src`` (to compare with an
+older commit).
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  fit, end to end        {med['fit_s']:7.2f} s")
         print(f"  checks + Parquet write {med['write_s']:7.2f} s")
         print(f"  training in Spark tasks {med['spark_s']:6.2f} s call, {med['spark_train_s']:.2f} s in the workers")
-        print(f"  same training, hora.run {med['hora_run_s']:6.2f} s call, {med['hora_run_train_s']:.2f} s in the workers")
+        print(f"  same training, hora.run {med['hora_run_s']:6.2f} s call, "
+              f"{med['hora_run_train_s']:.2f} s in the workers")
         print(f"  in-worker Spark / hora.run = {med['train_ratio']:.2f}; identical history: "
               f"{bool(med['same_history'])} (the calls include start-up; the workers' times are warm runs)")
 

@@ -90,8 +90,9 @@ def main() -> None:
     print(f"{args.np} ranks, MLP of {args.layers} x Dense({args.width}) = {tensors} gradient tensors, "
           f"batch {args.batch} per rank, {args.steps} steps per round")
     for i in range(args.rounds):
-        print(f"round {i}: " + "  ".join(f"{mode} {samples / s[i]:8.0f} samples/s ({1e3 * s[i] / args.steps:6.2f} ms/step)"
-                                         for mode, s in seconds.items()))
+        print(f"round {i}: " + "  ".join(
+            f"{mode} {samples / s[i]:8.0f} samples/s ({1e3 * s[i] / args.steps:6.2f} ms/step)"
+            for mode, s in seconds.items()))
     medians = {mode: statistics.median(s) for mode, s in seconds.items()}
     for mode, s in medians.items():
         print(f"median {mode:10s} {samples / s:8.0f} samples/s  {1e3 * s / args.steps:6.2f} ms/step")

@@ -39,8 +39,9 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILE = os.path.join(HERE, os.pardir, "examples", "pytorch_synthetic_benchmark.py")
@@ -91,7 +92,7 @@ def _build(cfg: Config, seed: int):
 
 
 def _timed_steps(step: Callable[[], float], cfg: Config, barrier: Callable[[], None],
-                 meter: "EngineCpuMeter | None" = None) -> tuple[float, float, float]:
+                 meter: EngineCpuMeter | None = None) -> tuple[float, float, float]:
     """Warm up, line the ranks up, then time ``cfg.iters`` steps (``meter``, if any, runs over them).
 
     Returns (seconds, last loss, CPU seconds per step of this whole process: every thread, so the
@@ -440,8 +441,9 @@ def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -
     engine = summary.get("hora", {}).get("engine")
     if engine is not None:
         lines.append(f"hora engine CPU per step per gradient tensor: {engine['engine_us_per_tensor']:.2f} us with the "
-                     f"transport's share (reduction and polling wait), {engine['engine_excl_transport_us_per_tensor']:.2f}"
-                     f" us without it (of which {engine['engine_scaling_us_per_tensor']:.2f} us Average's scaling pass over "
+                     f"transport's share (reduction and polling wait), "
+                     f"{engine['engine_excl_transport_us_per_tensor']:.2f} us without it (of which "
+                     f"{engine['engine_scaling_us_per_tensor']:.2f} us Average's scaling pass over "
                      f"the gradients); background thread alone {engine['engine_thread_us_per_tensor']:.2f} us; "
                      f"{engine['cycles_per_step']:.1f} cycles and {engine['transport_calls_per_step']:.1f} "
                      "transport calls per step (rank 0)")
@@ -453,7 +455,8 @@ def format_report(summary: dict[str, Any], cfg: Config, np_: int, rounds: int) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=2, help="workers for hora and DDP (default 2)")
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=2,
+                        help="workers for hora and DDP (default 2)")
     parser.add_argument("--model", default="resnet18", help="a model of the synthetic benchmark (default resnet18)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="images per worker per step (default 16; 32 for mlp200)")

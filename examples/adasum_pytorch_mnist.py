@@ -27,9 +27,9 @@ import torch.utils.data
 import torch.utils.data.distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pytorch_mnist  # noqa: E402 - the shared model, data and loops
+import pytorch_mnist  # the shared model, data and loops
 
-import hora.torch as hvd  # noqa: E402
+import hora.torch as hvd
 
 
 def fit(args, op: int, train_dataset, test_dataset) -> float:

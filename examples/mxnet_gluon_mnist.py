@@ -25,12 +25,12 @@ import time
 os.environ.setdefault("MXNET_CPU_WORKER_NTHREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import mxnet as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mxnet import autograd, gluon  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+from sklearn.datasets import load_digits
 
-import hora.mxnet as hvd  # noqa: E402
+import hora.mxnet as hvd
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ import hora.torch as hvd
 from hora.lightning import HoraStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_mnist import Net, digits_datasets  # noqa: E402
+from pytorch_mnist import Net, digits_datasets
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,7 +24,6 @@ import torch.optim as optim
 
 import hora.torch as hvd
 
-
 # ---- the models ---------------------------------------------------------------------------------
 
 class BasicBlock(nn.Module):

@@ -29,11 +29,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, before it loads
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
 
-import hora.keras as hvd  # noqa: E402
+import hora.keras as hvd
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,11 +21,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, before it loads
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from tensorflow2_keras_mnist import build_model, digits_arrays  # same data and network
 
-import hora.tensorflow as hvd  # noqa: E402
-from tensorflow2_keras_mnist import build_model, digits_arrays  # noqa: E402 - same data and network
+import hora.tensorflow as hvd
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -20,12 +20,11 @@ import timeit
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, before it loads
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import hora.tensorflow as hvd  # noqa: E402
-
+import hora.tensorflow as hvd
 
 # ---- the model ----------------------------------------------------------------------------------
 

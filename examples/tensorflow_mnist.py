@@ -24,11 +24,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, before it loads
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from tensorflow2_keras_mnist import digits_arrays  # noqa: E402 - the same data as the Keras examples
+import numpy as np
+import tensorflow as tf
+from tensorflow2_keras_mnist import digits_arrays  # the same data as the Keras examples
 
-import hora.tensorflow as hvd  # noqa: E402
+import hora.tensorflow as hvd
 
 v1 = tf.compat.v1
 

@@ -25,12 +25,12 @@ import time
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.keras and hora.keras become Keras 2 in this process
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tf_keras as keras  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+from sklearn.datasets import load_digits
 
-import hora.tensorflow.keras as hvd  # noqa: E402
+import hora.tensorflow.keras as hvd
 
 
 def parse_args(argv=None) -> argparse.Namespace:

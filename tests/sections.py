@@ -13,8 +13,9 @@ import inspect
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import hora
 
@@ -44,7 +45,7 @@ def run_sections(sections: list[tuple[str, Callable[[], Any]]]) -> dict[str, Any
         start = time.perf_counter()
         try:
             out[name] = section()
-        except Exception as exc:  # noqa: BLE001 - recorded and re-raised by the test that reads it
+        except Exception as exc:  # recorded and re-raised by the test that reads it
             out[name] = SectionFailure(type(exc).__name__, str(exc), traceback.format_exc())
         seconds[name] = time.perf_counter() - start
     out[TIMINGS] = seconds
@@ -141,7 +142,7 @@ class SharedJob:
             try:
                 per_rank = hora.run(_shared_main, args=([m.func for m in members],), np=world.np, env=world.env)
                 world.results = {m.id: JobResults([ranks[m.id] for ranks in per_rank]) for m in members}
-            except BaseException as exc:  # noqa: BLE001 - every module sharing the job fails with its error
+            except BaseException as exc:  # every module sharing the job fails with its error
                 world.error = exc
         if world.error is not None:
             raise world.error
@@ -156,7 +157,7 @@ def _shared_main(funcs: list[Callable[[], list[tuple[str, Callable[[], Any]]]]])
         for func in funcs:
             try:
                 sections = func()
-            except Exception as exc:  # noqa: BLE001 - fails that module's tests, not the other modules'
+            except Exception as exc:  # fails that module's tests, not the other modules'
                 out[_function_id(func)] = {SETUP: SectionFailure(type(exc).__name__, str(exc), traceback.format_exc()),
                                            TIMINGS: {}}
                 continue

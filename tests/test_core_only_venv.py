@@ -50,7 +50,8 @@ def test_the_suite_collects_without_errors_where_only_the_core_is_installed(core
     collected = _run([core_python, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider"],
                      timeout=600, cwd=ROOT)
     tail = collected.stdout[-4000:]
-    assert collected.returncode == 0, f"collection failed (exit {collected.returncode}):\n{tail}\n{collected.stderr[-2000:]}"
+    assert collected.returncode == 0, (f"collection failed (exit {collected.returncode}):\n{tail}\n"
+                                       f"{collected.stderr[-2000:]}")
     summary = collected.stdout.strip().splitlines()[-1]
     assert "error" not in summary, summary
     assert re.search(r"\d+ tests? collected", summary), summary

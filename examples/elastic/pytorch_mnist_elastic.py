@@ -40,7 +40,7 @@ import hora.torch as hvd
 
 # The network and the data are examples/pytorch_mnist.py's.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pytorch_mnist import Net, digits_datasets  # noqa: E402
+from pytorch_mnist import Net, digits_datasets
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -41,14 +41,14 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, before it loads
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import hora.keras as hvd  # noqa: E402
+import hora.keras as hvd
 
 # The network, the data and the thread limit are examples/tensorflow2_keras_mnist.py's.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tensorflow2_keras_mnist import build_model, digits_arrays, limit_threads  # noqa: E402
+from tensorflow2_keras_mnist import build_model, digits_arrays, limit_threads
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -40,7 +40,7 @@ from hora.ray import RayExecutor
 # The training script the workers run. They import it too: RayExecutor gives them this process's
 # import path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import pytorch_mnist  # noqa: E402
+import pytorch_mnist
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], argparse.Namespace]:

@@ -53,7 +53,7 @@ from hora.ray import ElasticRayExecutor
 # The training script the workers run. They import it too: ElasticRayExecutor gives them this
 # process's import path.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elastic"))
-import pytorch_mnist_elastic  # noqa: E402
+import pytorch_mnist_elastic
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], argparse.Namespace]:

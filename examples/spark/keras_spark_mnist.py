@@ -29,16 +29,16 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-from pyspark.ml import Pipeline  # noqa: E402
-from pyspark.ml.feature import VectorAssembler  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
+import keras
+from pyspark.ml import Pipeline
+from pyspark.ml.feature import VectorAssembler
+from pyspark.sql import SparkSession
 
-from hora.spark.common.store import Store  # noqa: E402
-from hora.spark.keras import KerasEstimator  # noqa: E402
+from hora.spark.common.store import Store
+from hora.spark.keras import KerasEstimator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from spark_digits import digits_frame, held_out_accuracy, pixel_columns  # noqa: E402
+from spark_digits import digits_frame, held_out_accuracy, pixel_columns
 
 
 def parse_args(argv=None) -> argparse.Namespace:

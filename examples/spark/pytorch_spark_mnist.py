@@ -36,7 +36,7 @@ from hora.spark.common.store import Store
 from hora.spark.torch import TorchEstimator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from spark_digits import digits_frame, held_out_accuracy, pixel_columns  # noqa: E402
+from spark_digits import digits_frame, held_out_accuracy, pixel_columns
 
 
 class Net(torch.nn.Module):
@@ -77,7 +77,8 @@ def main(argv=None) -> float:
         torch.manual_seed(42)
         model = Net()
         estimator = TorchEstimator(
-            num_proc=args.num_proc, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+            num_proc=args.num_proc, model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
             loss=torch.nn.functional.cross_entropy, metrics=[accuracy], feature_cols=["features"],
             label_cols=["label"], validation=0.2, batch_size=args.batch_size, epochs=args.epochs, store=store,
             random_seed=42, verbose=1)

@@ -35,7 +35,7 @@ import hora.spark
 
 # The training script the tasks run; they import it too (hora.spark.run gives them this import path).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import pytorch_mnist  # noqa: E402
+import pytorch_mnist
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str], argparse.Namespace]:

@@ -8,38 +8,42 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
 from hora.collectives import (
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    broadcast_object,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    join,
-    poll,
-    reducescatter,
-    reducescatter_async,
-    synchronize,
+    allgather as allgather,
+    allgather_async as allgather_async,
+    allgather_object as allgather_object,
+    allreduce as allreduce,
+    allreduce_ as allreduce_,
+    allreduce_async as allreduce_async,
+    allreduce_async_ as allreduce_async_,
+    alltoall as alltoall,
+    alltoall_async as alltoall_async,
+    barrier as barrier,
+    broadcast as broadcast,
+    broadcast_ as broadcast_,
+    broadcast_async as broadcast_async,
+    broadcast_async_ as broadcast_async_,
+    broadcast_object as broadcast_object,
+    grouped_allgather as grouped_allgather,
+    grouped_allgather_async as grouped_allgather_async,
+    grouped_allreduce as grouped_allreduce,
+    grouped_allreduce_ as grouped_allreduce_,
+    grouped_allreduce_async as grouped_allreduce_async,
+    grouped_allreduce_async_ as grouped_allreduce_async_,
+    grouped_reducescatter as grouped_reducescatter,
+    grouped_reducescatter_async as grouped_reducescatter_async,
+    join as join,
+    poll as poll,
+    reducescatter as reducescatter,
+    reducescatter_async as reducescatter_async,
+    synchronize as synchronize,
 )
-from hora.errors import HorovodInternalError, HoraError, HostsUpdatedInterrupt
+from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.errors import (
+    HoraError as HoraError,
+    HorovodInternalError as HorovodInternalError,
+    HostsUpdatedInterrupt as HostsUpdatedInterrupt,
+)
 
 __version__ = "0.1.0"
 

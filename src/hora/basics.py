@@ -10,14 +10,14 @@ import atexit
 import itertools
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from hora import mpi as hora_mpi
 from hora.engine.engine import Engine
 from hora.engine.request import Handle, Kind, Request, signature
 from hora.engine.timeline import Timeline
-from hora import mpi as hora_mpi
-from hora.mpi import bootstrap as mpi_bootstrap
-from hora.mpi import ranks as mpi_ranks
+from hora.mpi import bootstrap as mpi_bootstrap, ranks as mpi_ranks
 from hora.runtime import Coordinates, Joined, NotInRoundError, Runtime, assemble
 from hora.transport.base import ReduceOp
 

@@ -12,7 +12,8 @@ bindings convert their tensors to and from these arrays around it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -94,14 +95,15 @@ def scaled(grad: Any, scale: float) -> Any:
     return grad * scale
 
 
-def reduce_keeping_local(reduce: Callable[[list, list | None], list], grads: Sequence[Any],
-                         sources: Sequence[Any] | None, is_local: Sequence[bool], scale: float | None) -> list:
+def reduce_keeping_local(reduce: Callable[[list[Any], Sequence[Any] | None], list[Any]], grads: Sequence[Any],
+                         sources: Sequence[Any] | None, is_local: Sequence[bool], scale: float | None) -> list[Any]:
     """``reduce(grads, sources)``, except where ``is_local`` flags a position: that gradient stays this
     rank's own, multiplied by ``scale`` unless it is None. This is Horovod's ``register_local_source``
     / ``register_local_var`` with ``scale_local_gradients``, the same for every wrapper."""
     grads = list(grads)
     if not any(is_local):
         return reduce(grads, sources)
+    assert sources is not None  # is_local flags positions of sources
     shared = [i for i, own in enumerate(is_local) if not own]
     out = list(grads)
     if shared:

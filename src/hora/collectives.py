@@ -6,7 +6,8 @@ Arguments, defaults and errors follow Horovod 0.28.1's public API.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, overload
 
 import cloudpickle
 import numpy as np
@@ -19,7 +20,6 @@ from hora.engine.request import Handle, Kind, Request, dtype_name, signature
 from hora.horovod_args import check_sum_or_average, resolve_op
 from hora.nccl.submit import cuda_request, is_cuda
 from hora.transport.base import SUPPORTED_DTYPES
-
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
@@ -51,6 +51,14 @@ def _submit(requests: list[Request]) -> list[Handle]:
 submit_requests = _submit
 
 
+def _device_request(kind: Kind, tensor: Any, name: str | None, process_set: ProcessSet,
+                    **fields: Any) -> Request:
+    """The NCCL request for a CUDA array (``is_cuda``): required, so it exists or an error says why."""
+    request = cuda_request(kind, tensor, name, process_set, required=True, **fields)
+    assert request is not None  # required=True: a CUDA array takes the device path or raises
+    return request
+
+
 def _request(kind: Kind, name: str | None, arr: np.ndarray | None, process_set: ProcessSet,
              output: np.ndarray | None = None, **fields: Any) -> Request:
     set_id = basics.process_set_id(process_set)
@@ -69,9 +77,8 @@ def _allreduce_request(tensor: Any, average: bool | None, name: str | None, op: 
     # The training hot path (every gradient, every step): positional arguments, no keyword packing.
     op = resolve_op(op, average)
     if type(tensor) is not np.ndarray and is_cuda(tensor):  # CuPy, or any CUDA array: NCCL
-        return cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=op, prescale=prescale_factor,
-                            postscale=postscale_factor, group=group, group_size=group_size, inplace=inplace,
-                            required=True)
+        return _device_request(Kind.ALLREDUCE, tensor, name, process_set, op=op, prescale=prescale_factor,
+                               postscale=postscale_factor, group=group, group_size=group_size, inplace=inplace)
     arr = tensor if inplace else _as_array(tensor)
     if inplace:
         if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable:
@@ -172,8 +179,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name:
 def _allgather_request(tensor: Any, name: str | None, process_set: ProcessSet,
                        group: str = "", group_size: int = 0) -> Request:
     if type(tensor) is not np.ndarray and is_cuda(tensor):
-        return cuda_request(Kind.ALLGATHER, tensor, name, process_set, group=group, group_size=group_size,
-                            required=True)
+        return _device_request(Kind.ALLGATHER, tensor, name, process_set, group=group, group_size=group_size)
     arr = _as_array(tensor)
     if arr.ndim == 0:
         arr = arr.reshape(1)
@@ -213,8 +219,7 @@ def _broadcast_request(tensor: Any, root_rank: int, name: str | None, process_se
                        inplace: bool) -> Request:
     check_root(root_rank, process_set)
     if type(tensor) is not np.ndarray and is_cuda(tensor):
-        return cuda_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank), inplace=inplace,
-                            required=True)
+        return _device_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank), inplace=inplace)
     arr = tensor if inplace else _as_array(tensor)
     if inplace and (not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable):
         raise ValueError("in-place broadcast needs a writeable, C-contiguous numpy array")
@@ -269,12 +274,18 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
     arr = tensor if on_cuda else _as_array(tensor)  # a CUDA array: only its shape is read here
     split_list = alltoall_splits(tuple(arr.shape), splits, process_set)
     if on_cuda:
-        request = cuda_request(Kind.ALLTOALL, tensor, name, process_set, splits=tuple(split_list), required=True)
+        request = _device_request(Kind.ALLTOALL, tensor, name, process_set, splits=tuple(split_list))
         return _submit([request])[0]
     handle = _submit([_request(Kind.ALLTOALL, name, arr, process_set, splits=tuple(split_list))])[0]
     return handle
 
 
+@overload
+def alltoall(tensor: Any, splits: None = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> np.ndarray: ...
+@overload
+def alltoall(tensor: Any, splits: Any, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]: ...
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The received rows; with ``splits`` given, also how many rows came from each rank."""
@@ -289,8 +300,8 @@ def _reducescatter_request(tensor: Any, name: str | None, op: int, process_set: 
                            group: str = "", group_size: int = 0) -> Request:
     op = check_sum_or_average(op, "reducescatter")
     if type(tensor) is not np.ndarray and is_cuda(tensor):
-        return cuda_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op, prescale=prescale_factor,
-                            postscale=postscale_factor, group=group, group_size=group_size, required=True)
+        return _device_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op, prescale=prescale_factor,
+                               postscale=postscale_factor, group=group, group_size=group_size)
     arr = _as_array(tensor)
     if arr.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")

@@ -9,8 +9,9 @@ so a knob is documented, parsed and validated exactly once.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from hora.errors import ConfigError
 

@@ -21,7 +21,8 @@ so a state follows ``state.model = other_model`` and variables that appear after
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

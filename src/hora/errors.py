@@ -7,6 +7,8 @@ failures as a family, while the Horovod names a migrating script already catches
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 
 class HoraError(Exception):
     """Base of every error hora raises deliberately."""
@@ -15,8 +17,12 @@ class HoraError(Exception):
     # derive from (NotImplementedError, ValueError...): TensorFlow's autograph re-raises an error
     # from a traced function under its own type only when that type's ``__init__`` is
     # ``Exception.__init__``, and otherwise turns it into a StagingError, which a Horovod user's
-    # ``except NotImplementedError`` would not catch.
-    __init__ = Exception.__init__
+    # ``except NotImplementedError`` would not catch. (Type checkers see the signature it has: one
+    # assigned from another class reads as untyped to them, and every error built with it as Any.)
+    if TYPE_CHECKING:
+        def __init__(self, *args: object) -> None: ...
+    else:
+        __init__ = Exception.__init__
 
 
 class ConfigError(HoraError, ValueError):

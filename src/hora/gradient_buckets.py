@@ -12,7 +12,8 @@ be element-wise). Flattening and unpacking are each binding's own, with its fram
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 from hora.basics import Adasum
 from hora.compression import Compression

@@ -9,7 +9,8 @@ the same in all of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hora.engine.request import Handle
 

@@ -11,8 +11,9 @@ Nothing here imports a framework or touches the engine: these functions look at 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from hora.basics import ProcessSet
 from hora.errors import UnsupportedOperationError
@@ -81,7 +82,7 @@ class GradientReduction:
 
     @classmethod
     def create(cls, op: int | None, gradient_predivide_factor: float,
-               process_set: ProcessSet) -> "GradientReduction":
+               process_set: ProcessSet) -> GradientReduction:
         """Horovod's ``gradient_predivide_factor`` f (Average only): scale by 1/f before the sum and
         by f after it (the engine divides an Average by the set size), which averages while keeping
         float16 sums in range."""

@@ -20,7 +20,8 @@ and applies it; the calls in between only count the optimizer's ``iterations``, 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -30,7 +31,8 @@ from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
 
-Reducer = Callable[[Sequence[Any], Sequence[Any]], list]
+#: ``reducer(grads, sources)``: the gradients reduced across ranks (``sources``: their variables, or None).
+Reducer = Callable[[Sequence[Any], Sequence[Any] | None], list[Any]]
 
 LEGACY_KERAS_VARIABLE = "TF_USE_LEGACY_KERAS"
 
@@ -72,7 +74,7 @@ class _NumpyAllreducer:
         self.reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
         self.prefix, self.compression, self.groups = prefix, compression, groups
 
-    def __call__(self, grads: Sequence[Any], sources: Sequence[Any]) -> list:
+    def __call__(self, grads: Sequence[Any], sources: Sequence[Any] | None) -> list[Any]:
         packed = [(None, None) if g is None else self.compression.compress(g) for g in grads]
         arrays = [None if c is None else np.asarray(keras.ops.convert_to_numpy(c)) for c, _ in packed]
         names = batched.gradient_names(self.prefix, len(arrays))
@@ -120,11 +122,13 @@ class _LocalAggregation:
 
     def step(self, optimizer: Any, grads: list, variables: list, update: Callable[[list], None]) -> None:
         """Add ``grads`` to the sums; on every ``passes``-th call, ``update`` with the sums and reset."""
+        counter = self.counter
+        assert counter is not None, "build() comes before the first step"
         sums = [self.sums[optimizer._get_variable_index(v)] for v in variables]
         for total, grad in zip(sums, grads):
             if grad is not None:
                 total.assign_add(keras.ops.convert_to_tensor(grad))  # IndexedSlices are summed densely
-        self.counter.assign_add(1)
+        counter.assign_add(1)
 
         def reduce_and_apply() -> None:
             values = [keras.ops.convert_to_tensor(s) if g is not None else None for s, g in zip(sums, grads)]
@@ -133,12 +137,12 @@ class _LocalAggregation:
             update(values)
             for total in sums:
                 total.assign(keras.ops.zeros(total.shape, total.dtype))
-            self.counter.assign(0)
+            counter.assign(0)
 
         def count_only() -> None:
             optimizer._iterations.assign_add(1)
 
-        keras.ops.cond(keras.ops.equal(self.counter, self.passes), reduce_and_apply, count_only)
+        keras.ops.cond(keras.ops.equal(counter, self.passes), reduce_and_apply, count_only)
 
 
 class _HoraSettings:
@@ -157,7 +161,13 @@ class _HoraSettings:
         return batched.reduce_keeping_local(self.reducer, grads, variables, is_local, self.local_scale)
 
 
-class _DistributedOptimizer:
+if TYPE_CHECKING:  # the class is mixed in before the wrapped optimizer's own (see wrap)
+    from keras.optimizers import Optimizer as _OptimizerBase
+else:
+    _OptimizerBase = object
+
+
+class _DistributedOptimizer(_OptimizerBase):
     """Mixed in before the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     _hora: _HoraSettings
@@ -234,13 +244,13 @@ def distributed_class(base: type) -> type:
                 {"__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
-def as_instance_of(cls: type, optimizer: Any, in_place: bool) -> Any:
+def as_instance_of(cls: type[object], optimizer: Any, in_place: bool) -> Any:
     """``optimizer`` made an instance of its wrapped class ``cls``: itself (``in_place``, what
     ``load_model`` does), or a new object sharing its state (its ``__dict__``'s values)."""
     if in_place:
         optimizer.__class__ = cls
         return optimizer
-    wrapped = cls.__new__(cls)
+    wrapped: Any = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     return wrapped
 

@@ -18,24 +18,23 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, TypeVar
 
 from hora import config
 from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
 from hora.errors import ConfigError, HoraError
+from hora.mpi import bootstrap as mpi_bootstrap, state as mpi_state
 from hora.nccl.context import DeviceContext
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import RendezvousServer
-from hora.mpi import bootstrap as mpi_bootstrap
-from hora.mpi import state as mpi_state
 from hora.runner import identity
-from hora.transport import world as world_formation
-from hora.transport import create_communicator
+from hora.transport import create_communicator, world as world_formation
 from hora.transport.base import Communicator
 from hora.transport.topology import Topology
 
@@ -84,20 +83,23 @@ class Runtime:
     def close(self) -> None:
         """Stop the engine and close every connection. Never raises: shutdown must always leave a
         clean process, whatever state a failure left the pieces in."""
-        engine, self.engine = self.engine, None  # type: ignore[assignment]
+        engine, self.engine = self.engine, None  # type: ignore[assignment]  # closed for good: never used again
         if engine is not None:
             _quietly("stopping the engine", engine.shutdown)
             timeline = _quietly("detaching the timeline", engine.set_timeline, None)
             if timeline is not None:
                 _quietly("closing the timeline", timeline.close)
         _close_connections(self.world, self.store, self.own_server)
-        self.world = self.store = self.own_server = None  # type: ignore[assignment]
+        self.world = self.store = self.own_server = None  # type: ignore[assignment]  # as self.engine above
 
 
-def _quietly(what: str, func: Callable, *args: object) -> object:
+_T = TypeVar("_T")
+
+
+def _quietly(what: str, func: Callable[..., _T], *args: object) -> _T | None:
     try:
         return func(*args)
-    except Exception as exc:  # noqa: BLE001 - teardown goes on whatever one piece does
+    except Exception as exc:  # teardown goes on whatever one piece does
         logger.warning("hora shutdown: %s failed: %s", what, exc)
         return None
 
@@ -133,7 +135,7 @@ def autotune_config() -> AutotuneConfig | None:
                            config.knob("autotune_log").env, config.knob("autotune").env)
         return None
     try:
-        import sklearn  # noqa: F401  (the Gaussian process)
+        import sklearn  # noqa: F401 - only to check it is installed: the Gaussian process needs it
     except ImportError:
         raise ConfigError(f"{config.knob('autotune').env} needs scikit-learn for its Gaussian process: "
                           "pip install 'hora[autotune]'") from None

@@ -20,8 +20,9 @@ import bisect
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any
 
 from hora.engine.request import Kind
 
@@ -120,7 +121,8 @@ def _spans(events: Iterable[dict]) -> tuple[dict[int, str], list[tuple[int, str,
     marks: dict[int, list[tuple[float, str]]] = defaultdict(list)
     spans = []
     for e in events:
-        ph, pid = e.get("ph"), e.get("pid")
+        ph = e.get("ph")
+        pid: Any = e.get("pid")  # the trace's JSON, untyped
         if ph == "M" and e.get("name") == "process_name":
             names[pid] = str(e.get("args", {}).get("name", pid))
         elif ph == "B":
@@ -346,7 +348,7 @@ def format_summary(summary: TimelineSummary, top: int = 15) -> str:
                      "can see)")
     lines.append("")
     straggler, found = summary.straggler, summary.most_often_last
-    if straggler is not None:
+    if straggler is not None and found is not None:  # a straggler is the rank found
         lines.append(f"straggler: rank {straggler} (last to arrive in {found[1]:.0%} of the "
                      f"{summary.decided} negotiations that could tell)")
     elif found is not None:

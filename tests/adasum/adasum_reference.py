@@ -9,7 +9,7 @@ The ranks combine in the tree hora documents: for a world of size n with p the l
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

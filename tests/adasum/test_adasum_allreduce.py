@@ -16,10 +16,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-
-import hora
 from adasum_reference import hierarchical, rank_input, tree
 from sections import JOB_ENV, JobResults, run_job, run_sections
+
+import hora
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +76,7 @@ def _sections() -> list[tuple[str, Any]]:
             try:
                 call()
                 out[label] = None
-            except Exception as exc:  # noqa: BLE001 - type and message are checked
+            except Exception as exc:  # type and message are checked
                 out[label] = f"{type(exc).__name__}: {exc}"
         return out
 
@@ -90,8 +90,8 @@ def _sections() -> list[tuple[str, Any]]:
             if ps is not hora.global_process_set:
                 hora.remove_process_set(ps)
 
-    sections += [("process_set", process_set), ("fused", fused), ("grouped", grouped), ("in_place", in_place), ("scaled", scaled),
-                 ("zero", zero_on_rank_0), ("errors", errors)]
+    sections += [("process_set", process_set), ("fused", fused), ("grouped", grouped), ("in_place", in_place),
+                 ("scaled", scaled), ("zero", zero_on_rank_0), ("errors", errors)]
     return sections
 
 

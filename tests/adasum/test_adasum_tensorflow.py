@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from adasum_reference import pair, rank_input  # noqa: E402
-from sections import JobResults, run_job  # noqa: E402
+from adasum_reference import pair, rank_input
+from sections import JobResults, run_job
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
           "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow"}
@@ -30,8 +30,9 @@ def _data(rank: int):
 
 def _sections():
     import tensorflow as tf
-    import hora.tensorflow as hvd
+
     import hora.keras as hk
+    import hora.tensorflow as hvd
     r = hvd.rank()
     x, y = (tf.constant(a) for a in _data(r))
 

@@ -118,7 +118,8 @@ def test_adasum_optimizer_refuses_predivide(job: JobResults) -> None:
 
 @pytest.mark.timeout(330)  # about 20 s on an idle 2-core machine; 2 minutes seen on a loaded one
 def test_adasum_pytorch_mnist_example_within_one_point_of_average() -> None:
-    proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", "python", "examples/adasum_pytorch_mnist.py",
+    proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", "python",
+                           "examples/adasum_pytorch_mnist.py",
                            "--compare-average", "--num-threads", "1", "--log-interval", "1000"],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from job_env import clean_env
 
 from hora.bench.cli import main as bench_main
 from hora.bench.sweep import bus_factor
-from job_env import clean_env
 
 TINY = ["-np", "2", "-b", "4", "-e", "1M", "-f", "64", "--iters", "3", "--warmup", "1"]
 SIZES = [4, 256, 16384, 1048576]  # across the small slots and the pipelined path

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from job_env import clean_env
 
 from hora.bench.cli import main as bench_main
-from job_env import clean_env
 from hora.bench.sweep import OPS, bus_factor, iteration_plan, parse_size, size_sweep
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from emucluster import EmulatedCluster
 from job_env import clean_env  # noqa: F401  (re-exported for the cluster tests)

@@ -8,10 +8,9 @@ root, no ``ip netns``, no sshd), every test here is skipped with the reason.
 from __future__ import annotations
 
 import subprocess
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
-
 from cluster_helpers import REPO, clean_env
 from emucluster import ClusterUnavailable, EmulatedCluster, unavailable_reason
 

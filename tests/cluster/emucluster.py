@@ -157,7 +157,7 @@ class EmulatedCluster:
         return f"{HOST_IFACE},{self.bridge}"
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "EmulatedCluster":
+    def start(self) -> EmulatedCluster:
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
@@ -176,7 +176,7 @@ class EmulatedCluster:
             raise
         return self
 
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -202,6 +202,10 @@ class EmulatedCluster:
                 _kill_pids(netns_pids(name))
                 _run(["ip", "netns", "del", name], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
+        for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+            name = line.split(":", 2)[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            if name.startswith(f"{self.prefix}-v"):
+                _run(["ip", "link", "del", name], check=False)
 
     def _make_keys(self) -> None:
         assert self.workdir is not None
@@ -329,6 +333,10 @@ class EmulatedCluster:
                     host.sshd.kill()
                     host.sshd.wait(5)
             _kill_pids(host.pids())  # leftovers of the tests, all started inside this namespace
+            # The veth pair goes with its root end at once; left to the namespace, it would live on
+            # until the namespace's last process is reaped, and the next cluster on this slot would
+            # find the name taken ("File exists").
+            _run(["ip", "link", "del", host.root_veth], check=False)
             _run(["ip", "netns", "del", host.netns], check=False)
         self.hosts = []
         if self.slot >= 0:

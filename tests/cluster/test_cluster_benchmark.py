@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from cluster_helpers import REPO, clean_env
 
 SCRIPT = REPO / "benchmarks" / "cluster_allreduce.py"

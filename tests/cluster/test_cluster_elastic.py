@@ -15,11 +15,9 @@ happened in about one run of eight, and the test took 35 s instead of 8.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-
-from cluster_helpers import REPO, hora_run_argv
+from cluster_helpers import hora_run_argv
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from cluster_helpers import hora_run_argv
 
 pytestmark = pytest.mark.timeout(90)

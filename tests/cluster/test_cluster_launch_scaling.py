@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from cluster_helpers import REPO
 
 

@@ -12,7 +12,6 @@ import signal
 import time
 
 import pytest
-
 from cluster_helpers import (
     JOB,
     REPO,

@@ -18,7 +18,7 @@ ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 GOPATH = "/usr/share/gocode"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _renderer() -> tuple[str, ...]:
     return tuple(_build_renderer())
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from deploy_helpers import manifests, render, renderer
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -54,7 +53,7 @@ def rendered(tool, tmp_path_factory):
 def test_deploy_every_manifest_validates_against_the_kubernetes_schemas(rendered):
     kinds = set()
     for objects in rendered.values():
-        for key, obj in objects.items():
+        for obj in objects.values():
             kubernetes_validate.validate(obj, "1.37.0", strict=True)  # raises ValidationError
             kinds.add(obj["kind"])
     assert kinds == {"StatefulSet", "Job", "Service", "Secret", "ConfigMap"}

@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from deploy_helpers import CHART, REPO, manifests, render, renderer, start_cluster_or_skip
+from deploy_helpers import REPO, manifests, render, renderer, start_cluster_or_skip
 from emucluster import EmulatedCluster
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-
 from deploy_helpers import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +35,7 @@ def api(tmp_path):
     seen: list[tuple[str, str | None]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's naming
+        def do_GET(self):  # http.server's naming
             seen.append((self.path, self.headers.get("Authorization")))
             if self.path == "/api/v1/namespaces/team/endpoints/job-hora-worker":
                 body, code = json.dumps(ENDPOINTS).encode(), 200

@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 from deploy_helpers import ENTRYPOINT, REPO, start_cluster_or_skip
 
 pytestmark = pytest.mark.timeout(300)

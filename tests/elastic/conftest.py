@@ -7,7 +7,6 @@ results. (Helpers live in shared_jobs.py: several test folders have a ``conftest
 from __future__ import annotations
 
 import pytest
-
 import shared_jobs
 from sections import JobResults
 from tf_env import run_tf_job

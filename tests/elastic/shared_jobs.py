@@ -20,11 +20,13 @@ reflects.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from tf_env import skip_optional_imports
 
 from hora import basics
 from hora.elastic.notification import HostsUpdate, announce_hosts_update, read_hosts_update
-from tf_env import skip_optional_imports
 
 Sections = list[tuple[str, Callable[[], Any]]]
 

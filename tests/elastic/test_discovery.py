@@ -24,7 +24,7 @@ from hora.runner.elastic_launch import DISCOVERY_TIMEOUT_SECONDS, ElasticRequest
 from hora.runner.hosts import Host
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from elastic_job import pid_alive  # noqa: E402
+from elastic_job import pid_alive
 
 pytestmark = pytest.mark.timeout(60)
 

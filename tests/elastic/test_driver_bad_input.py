@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from elastic_job import (HORA, SCRIPTS, ElasticJob, discovery_command, hora_run, pid_alive,  # noqa: E402
-                         write_atomically)
-from job_env import clean_env  # noqa: E402
+from elastic_job import HORA, SCRIPTS, ElasticJob, discovery_command, hora_run, pid_alive, write_atomically
+from job_env import clean_env
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from elastic_job import SCRIPTS, ElasticJob, assert_rank_0_blacklisted, hora_run, parse_logs  # noqa: E402
+from elastic_job import SCRIPTS, ElasticJob, assert_rank_0_blacklisted, hora_run, parse_logs
 
 pytestmark = pytest.mark.timeout(240)
 

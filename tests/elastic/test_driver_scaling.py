@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from elastic_job import SCRIPTS, ElasticJob, discovery_command, pid_alive, write_atomically  # noqa: E402
+from elastic_job import SCRIPTS, ElasticJob, discovery_command, pid_alive, write_atomically
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -100,8 +100,9 @@ def _log(phase: str, event: str, **fields: Any) -> None:
 
 def _maybe_fail(phase: str, epoch: int, batch: int) -> None:
     """Rank 0 fails at (1, 0), once per training: in the worker that creates the phase's mark file."""
-    import hora
     from worker_common import first_to_claim
+
+    import hora
 
     mark = os.path.join(os.environ["FAULT_DIR"], f"{phase}.mark")
     if (epoch, batch) != (1, 0) or hora.rank() != 0 or not first_to_claim(mark):
@@ -226,8 +227,9 @@ def _worker() -> int:
     from tf_env import skip_optional_imports
 
     skip_optional_imports()
-    import hora
     from worker_common import log
+
+    import hora
 
     hora.init()
     log("start")
@@ -244,7 +246,6 @@ if __name__ == "__main__":
 # ---- the tests -------------------------------------------------------------------------------------------
 
 import pytest  # noqa: E402
-
 from elastic_job import assert_rank_0_blacklisted, hora_run, parse_logs  # noqa: E402
 from tf_env import TF_ENV  # noqa: E402
 

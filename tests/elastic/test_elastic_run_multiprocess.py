@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sections import JobResults, run_job
+from shared_jobs import Sections, announce_host_change, generation
 
 import hora
 import hora.elastic
 from hora.errors import HorovodInternalError
-from sections import JobResults, run_job
-from shared_jobs import Sections, announce_host_change, generation
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -92,7 +92,7 @@ def _collective_failure() -> dict[str, Any]:
     return out
 
 
-def test_a_collective_failure_on_every_rank_restores_the_last_commit_and_reforms_the_world_in_the_same_processes_world_size_2(
+def test_a_collective_failure_on_every_rank_restores_the_last_commit_and_reforms_the_world_in_place_world_size_2(
         job: JobResults):
     results = job.all("collective_failure")
     for rank, out in enumerate(results):

@@ -12,8 +12,8 @@ import pytest
 import hora
 import hora.elastic
 from hora import basics
-from hora.elastic.notification import HOSTS_UPDATED_KEY, HostsUpdate, announce_hosts_update, read_hosts_update
 from hora.elastic import ResetLimitError
+from hora.elastic.notification import HOSTS_UPDATED_KEY, HostsUpdate, announce_hosts_update, read_hosts_update
 from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,6 +22,9 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from sections import JobResults  # noqa: E402
+from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
+
 import hora.keras as hvd  # noqa: E402
 from hora import batched  # noqa: E402
 from hora.errors import PeerFailureError  # noqa: E402
@@ -31,8 +34,6 @@ from hora.keras.elastic import (  # noqa: E402
     UpdateBatchStateCallback,
     UpdateEpochStateCallback,
 )
-from sections import JobResults  # noqa: E402
-from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -216,8 +217,8 @@ def fit_sections() -> Sections:
                             callbacks=callbacks)
 
         train(state)
-        return {"initial": initial, "entries": entries, "saves": state.saves, "ran": events["ran"], "steps": events["steps"],
-                "at_failure": events["at_failure"], "final": _snapshot(model),
+        return {"initial": initial, "entries": entries, "saves": state.saves, "ran": events["ran"],
+                "steps": events["steps"], "at_failure": events["at_failure"], "final": _snapshot(model),
                 "final_state": (state.epoch, state.batch), "tensorflow_imported": "tensorflow" in sys.modules}
 
     return [("keras.fit", fit)]

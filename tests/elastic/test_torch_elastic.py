@@ -17,12 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from sections import JobResults  # noqa: E402
+from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
+
 import hora  # noqa: E402
 import hora.torch as hvd  # noqa: E402
 from hora.errors import HorovodInternalError  # noqa: E402
 from hora.torch.elastic import ElasticSampler, TorchState, run  # noqa: E402
-from sections import JobResults  # noqa: E402
-from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,7 +11,7 @@ _TENSORFLOW_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 if _TENSORFLOW_TESTS not in sys.path:
     sys.path.append(_TENSORFLOW_TESTS)
 
-from tf_job import JobResults, TF_ENV, run_job as run_tf_job  # noqa: E402
+from tf_job import TF_ENV, JobResults, run_job as run_tf_job  # noqa: E402
 
 #: Packages that TensorFlow and Keras import whenever they are installed, for features no elastic test
 #: uses (tf.lite's JAX conversion, DataFrame inputs, plots, the scikit-learn wrappers, notebook

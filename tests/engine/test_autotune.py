@@ -14,13 +14,11 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from job_env import clean_env
 
 pytest.importorskip("sklearn", reason="autotune's Gaussian process needs scikit-learn (hora[autotune])")
 
-from hora.engine.autotune import (  # noqa: E402
-    LOG_HEADER, AutotuneConfig, Autotuner, Tuner, TuningParams, read_log)
+from hora.engine.autotune import LOG_HEADER, AutotuneConfig, Autotuner, Tuner, TuningParams, read_log
 
 pytestmark = pytest.mark.timeout(180)
 

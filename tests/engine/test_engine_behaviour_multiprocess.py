@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from engine_helpers import job_env
 
 import hora
-from engine_helpers import job_env
 from hora.errors import WorkerFailedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,7 +68,7 @@ def _bar_job() -> dict[str, Any]:
         try:
             hora.allreduce(tensor, op=hora.Sum, name=f"mismatch.{label}")
             mismatch[label] = None
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+        except Exception as exc:  # reported to the test
             mismatch[label] = _error_record(exc)
         mismatch[f"after_{label}"] = hora.allreduce(np.full(2, r + 1.0), op=hora.Sum, name=f"after.{label}")
     # The failed name is free again, and agreeing requests under it succeed.
@@ -273,12 +273,12 @@ def _kill_job(tmpdir: str) -> None:
             for h in handles:
                 hora.synchronize(h)
         record["error"] = None
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # reported to the test
         record.update(_error_record(exc), error=str(exc), raised_at=time.time(), step=step)
         try:  # the engine stays failed: a new collective fails at once
             hora.allreduce(np.ones(1), name="after_failure")
             record["after"] = None
-        except Exception as again:  # noqa: BLE001
+        except Exception as again:
             record["after"] = _error_record(again)
     tmp = path + ".tmp"
     with open(tmp, "w") as handle:
@@ -331,7 +331,7 @@ def _stall_job() -> dict[str, Any]:
     try:
         hora.synchronize(pending)
         out["error"] = None
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # reported to the test
         out.update(_error_record(exc), error=str(exc), elapsed=time.monotonic() - start)
     out["warnings"] = list(capture.messages)
     hora.shutdown()
@@ -368,7 +368,7 @@ def _stall_with_captured_stderr() -> str:
             pending = hora.allreduce_async(np.ones(2), name="y")
         try:
             hora.synchronize(pending)
-        except Exception:  # noqa: BLE001 - the stall shutdown; what matters is where the report went
+        except Exception:  # the stall shutdown; what matters is where the report went
             pass
     finally:
         sys.stderr = sys.__stderr__

@@ -15,9 +15,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from engine_helpers import job_env
 
 import hora
-from engine_helpers import job_env
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 def _error(call) -> dict[str, Any] | None:
     try:
         call()
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+    except Exception as exc:  # the test reads the type and message
         return {"type": type(exc).__name__, "runtime": isinstance(exc, RuntimeError), "message": str(exc)}
     return None
 

@@ -180,7 +180,8 @@ def test_fused_results_are_independent_arrays_and_in_place_requests_keep_theirs(
         np.testing.assert_array_equal(out, np.full((2, 3), float(i)))
     np.testing.assert_array_equal(inputs[0], np.zeros((2, 3)))
     # The next step reuses the engine's buffers: earlier results stay as they were.
-    again = [hora.synchronize(hora.allreduce_async(t * 2, op=hora.Sum, name=f"indep.{i}")) for i, t in enumerate(inputs)]
+    again = [hora.synchronize(hora.allreduce_async(t * 2, op=hora.Sum, name=f"indep.{i}"))
+             for i, t in enumerate(inputs)]
     np.testing.assert_array_equal(results[3], np.full((2, 3), 3.0))
     np.testing.assert_array_equal(again[3], np.full((2, 3), 6.0))
 

@@ -130,7 +130,8 @@ def test_signatures_and_responses_pickle_as_their_fields_and_come_back_interned(
 
     sig = signature(Kind.ALLREDUCE, "float16", (4, 5), ReduceOp.MAX, prescale=0.5, postscale=2.0, group="g",
                     group_size=3, device="cuda")
-    sig.count, sig.np_dtype, sig._key  # cached properties: they must not travel
+    # Touch the cached properties so that they are filled in before pickling: they must not travel.
+    _ = sig.count, sig.np_dtype, sig._key
     back = pickle.loads(pickle.dumps(sig, protocol=pickle.HIGHEST_PROTOCOL))
     assert back is sig
     a2a = signature(Kind.ALLTOALL, "int64", (6, 2), root=-1, splits=(2, 4))
@@ -139,7 +140,7 @@ def test_signatures_and_responses_pickle_as_their_fields_and_come_back_interned(
         got = pickle.loads(pickle.dumps(ps))
         assert got == ps and (got.set_ranks, got.set_id) == (ps.set_ranks, ps.set_id)
     response = Response("t", sig, error="boom", rows=(1, 2), splits=((1,), (2,)), joined=(1,), last_joined=1)
-    response.cacheable  # cached: must not travel
+    _ = response.cacheable  # fill in the cached property before pickling: it must not travel
     got = pickle.loads(pickle.dumps(response))
     assert got == response and got.signature is sig and "cacheable" not in vars(got)
     assert len(pickle.dumps(response)) < 400
@@ -437,7 +438,7 @@ class _ObservedTimeline(Timeline):
     """Reports each batch the writer thread has appended, so a test can wait for it."""
 
     def __init__(self, path: str) -> None:
-        self.batches: "queue.Queue[int]" = queue.Queue()
+        self.batches: queue.Queue[int] = queue.Queue()
         super().__init__(path)
 
     def _append(self, records: list[dict]) -> None:

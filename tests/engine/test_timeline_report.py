@@ -14,7 +14,6 @@ import sys
 import textwrap
 
 import pytest
-
 from job_env import clean_env
 
 pytestmark = pytest.mark.timeout(180)

@@ -35,7 +35,7 @@ def run_example(script: str, args: list[str]) -> str:
         return "ok"
     except SystemExit as exc:
         return "ok" if exc.code in (None, 0) else f"exit {exc.code}"
-    except BaseException as exc:  # noqa: BLE001 - reported to the test that reads this example
+    except BaseException as exc:  # reported to the test that reads this example
         traceback.print_exc(file=sys.stdout)
         return f"raised {type(exc).__name__}"
     finally:

@@ -19,7 +19,6 @@ import threading
 import time
 
 import pytest
-
 from job_env import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

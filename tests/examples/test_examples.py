@@ -38,7 +38,8 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(env), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -88,7 +89,7 @@ class Chain:
                 m.test in selected and all(importlib.util.find_spec(module) for module in m.needs))]
             try:
                 self._run(members)
-            except BaseException as exc:  # noqa: BLE001 - every test of the chain fails with it
+            except BaseException as exc:  # every test of the chain fails with it
                 self.error = exc
         if self.error is not None:
             raise self.error

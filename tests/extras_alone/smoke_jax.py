@@ -12,12 +12,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 from smoke_report import report  # this folder: on the path of a script run from it
 
-import hora.jax as hvd  # noqa: E402
+import hora.jax as hvd
 
 
 def main() -> None:

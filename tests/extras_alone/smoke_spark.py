@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
-from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import SparkSession
 from smoke_report import report  # this folder: on the path of a script run from it
 
-import hora.spark  # noqa: E402
-import hora.spark.common.estimator  # noqa: E402,F401 - importable with the spark extra alone
+import hora.spark
+import hora.spark.common.estimator  # importable with the spark extra alone
 
 
 def reduce_on_each_task() -> dict[str, Any]:
@@ -45,10 +46,16 @@ def doubled(batches: Iterator[Any]) -> Iterator[Any]:
         yield pa.RecordBatch.from_arrays(list(batch.columns) + [out], names=batch.schema.names + ["x__output"])
 
 
+#: The JVM's options: a smoke of a few small jobs, where the optimising JIT compiler (C2) and the
+#: parallel collector's threads cost far more CPU than they win back (as in tests/spark).
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
 def main() -> None:
     spark = (SparkSession.builder.master("local[2]").appName("hora extras smoke")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+             .config("spark.sql.shuffle.partitions", "2").config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+             .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     try:
         results = hora.spark.run(reduce_on_each_task, num_proc=2, start_timeout=120, verbose=0)

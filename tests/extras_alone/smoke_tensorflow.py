@@ -12,10 +12,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 from smoke_report import report  # this folder: on the path of a script run from it
 
-import hora.tensorflow as hvd  # noqa: E402
+import hora.tensorflow as hvd
 
 
 def main() -> None:

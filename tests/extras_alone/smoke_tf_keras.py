@@ -15,12 +15,12 @@ import os
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tf_keras as keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
 from smoke_report import report  # this folder: on the path of a script run from it
 
-import hora.keras as hvd  # noqa: E402
+import hora.keras as hvd
 
 
 def main() -> None:

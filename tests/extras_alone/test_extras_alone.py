@@ -25,9 +25,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 

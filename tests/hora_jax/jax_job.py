@@ -4,7 +4,8 @@ int64/float64 exist) and two host devices (so a sharded array, an unsupported in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import sections
 from sections import JobResults

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from jax_job import JobResults, run_job  # noqa: E402
+from jax_job import JobResults, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -167,17 +167,17 @@ def _job() -> list:
         try:
             hvd.allreduce(jnp.ones(2 + r), name="mismatch.eager")
             out["eager"] = None
-        except Exception as exc:  # noqa: BLE001 - the test checks type and message
+        except Exception as exc:  # the test checks type and message
             out["eager"] = (type(exc).__name__, str(exc))
         try:
             jax.block_until_ready(jax.jit(lambda v: hvd.allreduce(v, name="mismatch.jit"))(jnp.ones(2 + r)))
             out["jit"] = None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out["jit"] = (type(exc).__name__, str(exc))
         try:
             jax.block_until_ready(jax.jit(lambda v: hvd.allgather(v, name="mismatch.gather"))(jnp.ones(1 + r)))
             out["gather_jit"] = None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out["gather_jit"] = (type(exc).__name__, str(exc))
         out["after"] = np.asarray(hvd.allreduce(jnp.ones(2), op=hvd.Sum, name="mismatch.after"))
         out["after.jit"] = np.asarray(jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum))(jnp.ones(2)))
@@ -284,7 +284,8 @@ def test_grouped_pytrees_and_ragged(job):
         np.testing.assert_allclose(got["tree"]["w"][1], sum(np.arange(3.0) + s for s in range(n)))
         np.testing.assert_allclose(got["tree"]["s"], sum(range(n)))
         np.testing.assert_allclose(got["tree.jit"]["s"], (n - 1) / 2)
-        np.testing.assert_array_equal(got["grouped_allgather"][0], np.concatenate([np.full(s + 1, s) for s in range(n)]))
+        np.testing.assert_array_equal(got["grouped_allgather"][0],
+                                      np.concatenate([np.full(s + 1, s) for s in range(n)]))
         np.testing.assert_array_equal(got["ragged_allgather"],
                                       np.concatenate([np.full((s + 1, 2), s) for s in range(n)]))
         rows = (n + 1) // n + (1 if r < (n + 1) % n else 0)

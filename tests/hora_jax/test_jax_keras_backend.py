@@ -21,8 +21,8 @@ pytest.importorskip("keras")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hora_tensorflow"))
 
-import keras_sections as ks  # noqa: E402
-from tf_job import JobResults, run_job  # noqa: E402
+import keras_sections as ks
+from tf_job import JobResults, run_job
 
 pytestmark = pytest.mark.timeout(600)
 

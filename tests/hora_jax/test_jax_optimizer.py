@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 
-from jax_job import JAX_ENV, JobResults, run_job  # noqa: E402
-from job_env import clean_env  # noqa: E402
+from jax_job import JAX_ENV, JobResults, run_job
+from job_env import clean_env
 
 pytestmark = pytest.mark.timeout(300)
 

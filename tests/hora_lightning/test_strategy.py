@@ -20,9 +20,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
-import hora  # noqa: E402
-import lightning_jobs as jobs  # noqa: E402
-from job_env import clean_env  # noqa: E402
+import lightning_jobs as jobs
+from job_env import clean_env
+
+import hora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_TIMEOUT_S = 240
@@ -152,9 +153,9 @@ def test_outside_hora_run_the_strategy_trains_as_one_process(optimizer: str, uni
 
 
 def test_the_strategy_is_registered_as_hora(uninitialised: None) -> None:
-    import hora.lightning  # noqa: F401 - registers the name
     from lightning.pytorch.strategies import StrategyRegistry
 
+    import hora.lightning  # noqa: F401 - registers the name
     from hora.lightning import HoraStrategy
 
     assert "hora" in StrategyRegistry.available_strategies()

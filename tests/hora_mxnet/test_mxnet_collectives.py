@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mxnet_cases import DTYPES, SHAPES, gathered_rows, ops_for, reduced, value
 from mxnet_job import run_job
 

@@ -7,9 +7,8 @@ import json
 import re
 import subprocess
 
-import pytest
-
 import mxnet_venv
+import pytest
 
 pytestmark = pytest.mark.timeout(1200)  # the first test may build the MXNet venv (pip, once per cache)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mxnet_job import run_job
 
 pytestmark = pytest.mark.timeout(1200)  # the first test may build the MXNet venv (pip, once per cache)

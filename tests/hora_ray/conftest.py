@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 import pytest
-
 from ray_testing import FAST_HEALTH_CHECKS, LOCAL_CPUS, SharedRay, local_ray, ray_test_cluster
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

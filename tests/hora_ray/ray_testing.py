@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-
 from job_env import is_hora_variable
 
 
@@ -74,9 +74,11 @@ def ray_test_cluster(nodes: list[dict[str, Any]], system_config: dict[str, Any] 
 #: The logical CPUs of the local instance the single-node tests share.
 LOCAL_CPUS = 4
 
-#: The cluster checks node health every half second, so a lost node is noticed fast.
-FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                      "health_check_failure_threshold": 4}
+#: The cluster checks node health every second and declares a node lost after 5 missed checks: a lost
+#: node is noticed within seconds, and a raylet that a busy machine (two test folders at once) delays
+#: for a second or two is not taken for a lost one.
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+                      "health_check_failure_threshold": 5}
 
 
 class SharedRay:
@@ -85,10 +87,10 @@ class SharedRay:
 
     def __init__(self) -> None:
         self._name: str | None = None
-        self._context: ContextManager[Any] | None = None
+        self._context: contextlib.AbstractContextManager[Any] | None = None
         self._value: Any = None
 
-    def get(self, name: str, start: Callable[[], ContextManager[Any]]) -> Any:
+    def get(self, name: str, start: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
         """The Ray called ``name``, started with ``start()`` unless it is the one open."""
         if name != self._name:
             self.close()

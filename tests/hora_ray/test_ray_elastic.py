@@ -16,7 +16,8 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,10 +124,10 @@ class _Job:
     def _run(self, run: Callable[..., list[Any]]) -> None:
         try:
             self.outcome["results"] = run(self)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        except BaseException as exc:  # handed to the test thread
             self.outcome["error"] = exc
 
-    def __enter__(self) -> "_Job":
+    def __enter__(self) -> _Job:
         self._thread.start()
         return self
 
@@ -262,9 +263,10 @@ def test_the_job_finishes_smaller_when_a_node_is_removed(cluster, tmp_path):
 def test_discovery_sees_other_work_on_a_node_after_two_polls(cluster):
     """A node's slots are its free CPUs: an actor of someone else's taking one CPU costs that node a
     slot once two polls agree; this job's own workers would count as free for it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from hora.ray.elastic import RayHostDiscovery
     from hora.ray.placement import WorkerResources
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     _ensure_cpu_nodes(cluster, 2)
     node = _cpu_nodes()[0]["NodeID"]

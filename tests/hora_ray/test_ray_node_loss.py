@@ -51,7 +51,7 @@ def test_a_lost_node_makes_run_raise_horovod_internal_error_naming_rank_and_node
     def run() -> None:
         try:
             outcome["result"] = ex.run(_train_until_stopped, args=[str(tmp_path)])
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        except BaseException as exc:  # handed to the test thread
             outcome["error"] = exc
 
     runner = threading.Thread(target=run, daemon=True)

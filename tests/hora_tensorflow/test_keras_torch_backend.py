@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("keras")
 
-import keras_sections as ks  # noqa: E402
-from tf_job import JobResults, run_job  # noqa: E402
+import keras_sections as ks
+from tf_job import JobResults, run_job
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,7 +25,8 @@ def _job() -> list:
     import keras
 
     def backend():
-        return {"backend": keras.backend.backend(), "tensorflow_imported": "tensorflow" in sys.modules}
+        return {"backend": keras.backend.backend(), "tensorflow_imported": "tensorflow" in sys.modules,
+                "torch_imported": "torch" in sys.modules}
 
     # Keras itself imports TensorFlow, when installed, in model.save and keras.utils.set_random_seed:
     # the check after training comes before the saving section (last), and the sections seed from NumPy.
@@ -42,7 +43,17 @@ def ranks2() -> JobResults:
 def test_runs_on_the_torch_backend_without_tensorflow_2ranks(ranks2):
     for r in range(2):
         for section in ("backend", "backend.after"):
-            assert ranks2.get(section, r) == {"backend": "torch", "tensorflow_imported": False}
+            assert ranks2.get(section, r) == {"backend": "torch", "tensorflow_imported": False, "torch_imported": True}
+
+
+def test_hora_keras_on_the_torch_backend_never_imports_tensorflow(ranks2):
+    """``import hora.keras, keras`` under KERAS_BACKEND=torch loads torch, never TensorFlow. Read in the
+    workers before any training (section "backend"): they have imported hora.keras and keras, and
+    more besides (this module, pytest, NumPy), so no TensorFlow there means no TensorFlow after those
+    two imports alone; a fresh interpreter for it would import torch and Keras once more."""
+    for r in range(2):
+        got = ranks2.get("backend", r)
+        assert got["backend"] == "torch" and got["torch_imported"] and not got["tensorflow_imported"]
 
 
 @pytest.mark.parametrize("section", ["keras.sgd", "keras.adam", "keras.groups", "keras.groups_lists",

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-import keras_sections as ks  # noqa: E402
-from tf_job import JobResults, shared_job  # noqa: E402
+import keras_sections as ks
+from tf_job import JobResults, shared_job
 
 # The first module to ask for the shared job runs every module's sections.
 pytestmark = pytest.mark.timeout(600)
@@ -65,11 +65,20 @@ def _tf_sections() -> list:
             step(bx, by)
         return weights(m)
 
+    reference: list = []
+
+    def tape_reference() -> list:
+        """1 worker's plain eager loop on the whole batches (rank 0 only): every tape section and
+        tf_optimizer.keras start from model() and train the same batches, so it is computed once."""
+        if r != 0:
+            return []
+        if not reference:
+            reference.extend(tape_train(False, False))
+        return reference
+
     def tape_section(function: bool, **options):
         def section():
-            out = {"weights": tape_train(True, function, **options)}
-            out["reference"] = tape_train(False, False) if r == 0 else []
-            return out
+            return {"weights": tape_train(True, function, **options), "reference": tape_reference()}
         return section
 
     def tape_details():
@@ -106,27 +115,30 @@ def _tf_sections() -> list:
         def loss_of(v, mine):
             return (tf.reduce_sum(v * v) + tf.reduce_sum(mine * mine)) * (r + 1)
 
-        out = {}
-        for scale in (True, False):
-            # a Keras optimizer (through hora.tensorflow's DistributedOptimizer), inside tf.function
-            v, mine = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
-            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), scale_local_gradients=scale)
-            opt.register_local_var(mine)
-
+        def make_step(v, mine, opt):
+            # Built per optimizer, so that the tf.function captures this iteration's variables.
             @tf.function
             def step():
                 with tf.GradientTape() as tape:
                     loss = loss_of(v, mine)
                 opt.apply_gradients(zip(tape.gradient(loss, [v, mine]), [v, mine]))
 
-            step()
+            return step
+
+        out = {}
+        for scale in (True, False):
+            # a Keras optimizer (through hora.tensorflow's DistributedOptimizer), inside tf.function
+            v, mine = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), scale_local_gradients=scale)
+            opt.register_local_var(mine)
+            make_step(v, mine, opt)()
             out[f"keras.{scale}"] = {"v": v.numpy(), "mine": mine.numpy()}
             # a TensorFlow 1 style optimizer, eagerly
             v, mine = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
             v1 = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
                                           scale_local_gradients=scale)
             v1.register_local_var(mine)
-            v1.minimize(lambda: loss_of(v, mine), var_list=[v, mine])
+            v1.minimize(lambda v=v, mine=mine: loss_of(v, mine), var_list=[v, mine])
             out[f"v1.{scale}"] = {"v": v.numpy(), "mine": mine.numpy()}
         return out
 
@@ -176,7 +188,7 @@ def _tf_sections() -> list:
 
         for bx, by in batches(True):
             step(bx, by)
-        return {"weights": weights(m), "reference": tape_train(False, False) if r == 0 else [],
+        return {"weights": weights(m), "reference": tape_reference(),
                 "is_sgd": isinstance(opt, keras.optimizers.SGD)}
 
     def tf_optimizer_v1():
@@ -202,7 +214,7 @@ def _tf_sections() -> list:
         try:
             m.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
             return None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return (type(exc).__name__, str(exc))
 
     return [

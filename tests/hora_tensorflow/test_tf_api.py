@@ -5,8 +5,9 @@ mpi_ops.py, functions.py, keras/__init__.py and keras/callbacks.py, and compared
 ``inspect.signature`` (parameter names, order, kinds, defaults; hora may add trailing parameters with
 defaults, listed in EXTRA_ALLOWED). Also: the lifecycle names are hora's own objects in every
 binding, ``hora.tensorflow.keras`` is ``hora.keras`` under Horovod's spelling, and importing one
-framework's binding never imports another framework (checked in fresh interpreters).
-No job is started here.
+framework's binding never imports another framework (hora.torch in a fresh interpreter; hora.tensorflow
+in the workers of the 3-rank TensorFlow job this module joins, as its only job; hora.keras on the torch
+backend in test_keras_torch_backend.py's workers).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-import hora  # noqa: E402
-import hora.keras as hk  # noqa: E402
-import hora.tensorflow as htf  # noqa: E402
+from signature_check import EVERY_BINDING, REDUCE_OPS, check, parse
+from tf_job import shared_job
 
-from signature_check import EVERY_BINDING, REDUCE_OPS, check, parse  # noqa: E402
+import hora
+import hora.keras as hk
+import hora.tensorflow as htf
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,7 +203,7 @@ def test_groups_with_num_groups_warns_and_groups_wins_in_every_wrapper(uninitial
         hora.shutdown()
 
 
-# ---- framework isolation: a fresh interpreter per check --------------------------------------------
+# ---- framework isolation ---------------------------------------------------------------------------------
 
 
 def _modules_after(statement: str, env: dict[str, str] | None = None) -> set[str]:
@@ -212,22 +214,32 @@ def _modules_after(statement: str, env: dict[str, str] | None = None) -> set[str
     return set(proc.stdout.split())
 
 
-def test_import_hora_tensorflow_never_imports_torch():
-    modules = _modules_after("import hora.tensorflow, hora.tensorflow.keras")
-    assert "tensorflow" in modules and "torch" not in modules
+def _modules_job() -> list:
+    """The top-level modules of a TensorFlow job's worker, read when the job calls this function (first
+    in its world, by collection order; a later read would only have seen more modules)."""
+    import hora.tensorflow.keras  # noqa: F401  (Horovod's spelling, imported as a user would)
+
+    loaded = sorted(m for m in sys.modules if "." not in m)
+    return [("modules", lambda: loaded)]
+
+
+# Read in the 3-rank TensorFlow job's workers (test_tf_graph_mode.py's world, which runs no Keras):
+# they have imported hora.tensorflow and hora.tensorflow.keras, and more besides (this module,
+# pytest, NumPy), so no torch there means neither import pulls it in; a fresh interpreter for it
+# would import TensorFlow once more (seconds of CPU).
+MODULES_JOB = shared_job(_modules_job, np=3)
+
+
+@pytest.mark.timeout(600)  # the first test to ask for the 3-rank job runs all of it (as in test_tf_graph_mode.py)
+def test_import_hora_tensorflow_never_imports_torch(request):
+    for modules in MODULES_JOB.results(request).all("modules"):
+        assert "tensorflow" in modules and "torch" not in modules
 
 
 def test_import_hora_torch_never_imports_tensorflow():
     pytest.importorskip("torch")
     modules = _modules_after("import hora.torch")
     assert "torch" in modules and "tensorflow" not in modules and "keras" not in modules
-
-
-def test_hora_keras_on_the_torch_backend_never_imports_tensorflow():
-    pytest.importorskip("torch")
-    modules = _modules_after("import hora.keras, keras; assert keras.backend.backend() == 'torch'",
-                             env={"KERAS_BACKEND": "torch"})
-    assert "torch" in modules and "tensorflow" not in modules
 
 
 def test_hora_check_reports_tensorflow_and_keras_versions(capsys):

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, shared_job  # noqa: E402
+from tf_job import JobResults, shared_job
 
 # The first module to ask for the shared job runs every module's sections.
 pytestmark = pytest.mark.timeout(600)
@@ -106,7 +106,7 @@ def _job() -> list:
             try:
                 call()
                 errors[label] = None
-            except Exception as exc:  # noqa: BLE001 - the type is what is checked
+            except Exception as exc:  # the type is what is checked
                 errors[label] = type(exc).__name__
         out["errors"] = errors
         return out
@@ -239,7 +239,7 @@ def _job() -> list:
         try:
             tf.function(lambda: hvd.allreduce(tf.ones([2])), jit_compile=True)()
             return None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return (type(exc).__name__, str(exc))
 
     def broadcast_variables():
@@ -344,7 +344,7 @@ def test_allreduce_every_dtype_and_op_eager_and_graph_2ranks(ranks2, dtype):
 
 
 def test_allreduce_scaling_variables_compression_and_argument_errors_2ranks(ranks2):
-    for r, mode, got in both_modes(ranks2, "scaling_and_arguments"):
+    for _r, _mode, got in both_modes(ranks2, "scaling_and_arguments"):
         close(got["scaled"], np.array([1.5, 3.0]))  # (1 + 2) * [1, 2] * 2 * 0.25
         close(got["deprecated_average_false"], np.array([3.0, 6.0]))  # average=False means Sum
         close(got["default_is_average"], np.array([1.5, 3.0]))
@@ -360,7 +360,7 @@ def test_allreduce_scaling_variables_compression_and_argument_errors_2ranks(rank
 
 
 def test_grouped_allreduce_2ranks(ranks2):
-    for r, mode, got in both_modes(ranks2, "grouped"):
+    for _r, _mode, got in both_modes(ranks2, "grouped"):
         close(got["average"][0], np.array([1.5, 3.0]))
         close(got["average"][1], np.array([[1.5, 3.0], [4.5, 6.0]]))
         close(got["sum"][0], np.array([3.0, 6.0]))
@@ -388,7 +388,7 @@ def test_static_shapes_inside_tf_function_2ranks(ranks2):
 
 
 def test_allgather_with_different_first_dimensions_2ranks(ranks2):
-    for r, mode, got in both_modes(ranks2, "allgather"):
+    for _r, _mode, got in both_modes(ranks2, "allgather"):
         close(got["float"], np.array([[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]], np.float32))
         close(got["int"], np.array([[0], [0], [1]], np.int64))
         close(got["grouped"][0], got["float"])
@@ -396,7 +396,7 @@ def test_allgather_with_different_first_dimensions_2ranks(ranks2):
 
 
 def test_broadcast_2ranks(ranks2):
-    for r, mode, got in both_modes(ranks2, "broadcast"):
+    for _r, _mode, got in both_modes(ranks2, "broadcast"):
         close(got["from1"], np.array([[3.0, 5.0]], np.float32))
         close(got["from0"], np.array([[1.5, 2.5]], np.float32))
         close(got["bool"], np.array([False, True]))
@@ -406,7 +406,7 @@ def test_broadcast_2ranks(ranks2):
 def test_alltoall_with_splits_returns_received_splits_2ranks(ranks2):
     want = {0: ([0.0, 10.0, 11.0], [1, 2], [[0], [1], [10], [11]]),
             1: ([1.0, 2.0, 3.0, 12.0, 13.0], [3, 2], [[2], [3], [12], [13]])}
-    for r, mode, got in both_modes(ranks2, "alltoall"):
+    for r, _mode, got in both_modes(ranks2, "alltoall"):
         output, received = got["splits"]
         close(output, np.array(want[r][0], np.float32))
         close(received, np.array(want[r][1], np.int32))
@@ -416,7 +416,7 @@ def test_alltoall_with_splits_returns_received_splits_2ranks(ranks2):
 
 def test_reducescatter_2ranks(ranks2):
     total = np.arange(10, dtype=np.float32).reshape(5, 2) * 3  # rank 0 gets 3 rows, rank 1 gets 2
-    for r, mode, got in both_modes(ranks2, "reducescatter"):
+    for r, _mode, got in both_modes(ranks2, "reducescatter"):
         rows = slice(0, 3) if r == 0 else slice(3, 5)
         close(got["sum"], total[rows])
         close(got["average"], total[rows] / 2)
@@ -426,14 +426,14 @@ def test_reducescatter_2ranks(ranks2):
 
 
 def test_indexed_slices_are_gathered_2ranks(ranks2):
-    for r, mode, got in both_modes(ranks2, "indexed_slices"):
+    for _r, _mode, got in both_modes(ranks2, "indexed_slices"):
         for op, scale in (("average", 0.5), ("sum", 1.0)):
             close(got[op]["values"], np.array([[1.0, 1.0], [2.0, 2.0]], np.float32) * scale)
             close(got[op]["indices"], np.array([0, 3], np.int64))
 
 
 def test_gradients_follow_horovods_conventions_2ranks(ranks2):
-    for r, mode, got in both_modes(ranks2, "gradients"):
+    for r, _mode, got in both_modes(ranks2, "gradients"):
         close(got["allreduce.average"], np.full(3, 1.5 * (r + 1)))
         close(got["allreduce.sum"], np.full(3, 18.0))  # (1 + 2) * 2 * 3
         weights = np.arange(6, dtype=np.float32).reshape(3, 2) * 1.5  # averaged upstream gradient

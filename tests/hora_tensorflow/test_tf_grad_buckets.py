@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, shared_job  # noqa: E402
+from tf_job import JobResults, shared_job
 
 pytestmark = pytest.mark.timeout(600)
 

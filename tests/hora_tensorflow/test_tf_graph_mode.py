@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, shared_job  # noqa: E402
+from tf_job import JobResults, shared_job
 
 # The first module to ask for the shared job runs every module's sections.
 pytestmark = pytest.mark.timeout(600)
@@ -247,7 +247,7 @@ def _job() -> list:
     def caught(call) -> dict | None:
         try:
             call()
-        except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        except Exception as exc:  # the type is what the test checks
             return {"type": type(exc).__name__, "not_implemented": isinstance(exc, NotImplementedError),
                     "failed_precondition": isinstance(exc, tf.errors.FailedPreconditionError),
                     "runtime_error": isinstance(exc, RuntimeError), "message": str(exc)[:3000]}

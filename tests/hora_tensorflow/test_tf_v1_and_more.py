@@ -15,7 +15,8 @@
 
 A second job runs a TensorFlow 1 script's world (``disable_v2_behavior``): the hook and the
 accumulating optimizer in a ``MonitoredTrainingSession``, and ``SyncBatchNormalization``'s moving
-statistics through ``UPDATE_OPS``. The 1-worker references are computed in the same jobs, without collectives, by plain TensorFlow.
+statistics through ``UPDATE_OPS``. The 1-worker references are computed in the same jobs, without collectives,
+by plain TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tf_job import JobResults, shared_job  # noqa: E402
+from tf_job import JobResults, shared_job
 
 # The first module to ask for the shared job runs every module's sections.
 pytestmark = pytest.mark.timeout(600)
@@ -39,7 +40,7 @@ def _job() -> list:
 
     import hora.tensorflow as hvd
 
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     v1 = tf.compat.v1
 
     # ---- graph-mode broadcast ---------------------------------------------------------------------
@@ -98,7 +99,7 @@ def _job() -> list:
         out = []
         for s in range(STEPS):
             x, y = xs[s * 8:(s + 1) * 8], ys[s * 8:(s + 1) * 8]
-            opt.minimize(lambda: scale * tf.reduce_mean(tf.square(x @ w + b - y)), var_list=[w, b])
+            opt.minimize(lambda x=x, y=y: scale * tf.reduce_mean(tf.square(x @ w + b - y)), var_list=[w, b])
             out.append(np.concatenate([w.numpy().ravel(), b.numpy()]))
         return np.stack(out)
 

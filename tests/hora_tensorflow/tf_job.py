@@ -10,7 +10,8 @@ per worker (the CI box has two cores).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import sections
 from sections import JobResults, SharedJob

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from job_env import clean_env
 
 pytest.importorskip("tf_keras")

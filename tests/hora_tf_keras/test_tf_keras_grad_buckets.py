@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("tf_keras")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hora_tensorflow"))  # the TensorFlow job helpers
-from tf_job import JobResults, shared_job  # noqa: E402
+from tf_job import JobResults, shared_job
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import hora.torch as hvd  # noqa: E402
 from signature_check import EVERY_BINDING, REDUCE_OPS, check, parse  # noqa: E402
+
+import hora.torch as hvd  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
-
 from sections import JobResults, run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

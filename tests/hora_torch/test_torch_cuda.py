@@ -26,12 +26,12 @@ pytestmark = [
 STEPS = 5
 
 
-def _model() -> "torch.nn.Module":
+def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
 
 
-def _batch() -> tuple["torch.Tensor", "torch.Tensor"]:
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
 

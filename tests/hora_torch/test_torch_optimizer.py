@@ -274,7 +274,7 @@ def _job() -> list:
                                            sparse_as_dense=sparse_as_dense)
             ref_opt = make(ref.parameters())
             grad_sparse = []
-            for s in range(5):
+            for _ in range(5):
                 opt.zero_grad()
                 ((emb(idx[r]) - target[r]) ** 2).mean().backward()
                 opt.synchronize()
@@ -473,7 +473,7 @@ def _job() -> list:
             for s in range(steps):
                 x, y = rows_of(s)
 
-                def closure():
+                def closure(x=x, y=y):
                     opt.zero_grad()
                     loss = mse(model, x, y)
                     loss.backward()
@@ -823,7 +823,8 @@ def _job_wrapper_rules() -> list:
         # of finishing it. Training on must match a fresh optimizer that loaded the same state.
         def section():
             model = make_model()
-            opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named(model, f"rules.load{passes}"),
+            opt = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                           named_parameters=named(model, f"rules.load{passes}"),
                                            backward_passes_per_step=passes)
             train(opt, model, 2, passes=passes)
             saved_model = copy.deepcopy(model.state_dict())
@@ -834,7 +835,8 @@ def _job_wrapper_rules() -> list:
             resumed = train(opt, model, 2, first=2, passes=passes)
             fresh = make_model()
             fresh.load_state_dict(saved_model)
-            opt2 = hvd.DistributedOptimizer(sgd(fresh.parameters()), named_parameters=named(fresh, f"rules.fresh{passes}"),
+            opt2 = hvd.DistributedOptimizer(sgd(fresh.parameters()),
+                                            named_parameters=named(fresh, f"rules.fresh{passes}"),
                                             backward_passes_per_step=passes)
             opt2.load_state_dict(saved_opt)
             return {"resumed": resumed, "fresh": train(opt2, fresh, 2, first=2, passes=passes)}
@@ -881,8 +883,9 @@ def _job_wrapper_rules() -> list:
 
 @pytest.fixture(scope="module")
 def rules2() -> JobResults:
-    import hora
     from sections import _job_main
+
+    import hora
 
     return JobResults(hora.run(_job_main, args=(_job_wrapper_rules,), np=2, env=RULES_ENV))
 

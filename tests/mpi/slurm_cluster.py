@@ -54,7 +54,8 @@ def unavailable() -> str | None:
     """Why a Slurm cluster cannot be started here, or None."""
     missing = [name for name in DAEMONS if _tool(name) is None]
     if missing:
-        return f"Slurm/munge not installed ({', '.join(missing)} missing: apt-get install slurmctld slurmd slurm-client)"
+        return (f"Slurm/munge not installed ({', '.join(missing)} missing: "
+                "apt-get install slurmctld slurmd slurm-client)")
     if os.geteuid() != 0:
         return "slurmd must run as root to start job steps"
     return None

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from mpi_jobs import HERE, hora_cli, mpirun, records
 
 import hora
-from mpi_jobs import HERE, hora_cli, mpirun, records
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("mpirun"),
                                 reason="Open MPI's mpirun is not installed (apt-get install openmpi-bin)")
@@ -95,7 +95,8 @@ def test_hora_run_mpi_starts_the_ranks_through_mpirun() -> None:
     script = ("import sys, hora, numpy as np, os; hora.init(); "
               "s = float(hora.allreduce(np.array([1.0 + hora.rank()]), op=hora.Sum)[0]); "
               "w = os.environ['OMPI_COMM_WORLD_RANK']; "
-              "sys.stdout.write(f'RESULT {hora.rank()} {hora.size()} {hora.mpi_enabled()} {w} {s}\\n'); sys.stdout.flush()")
+              "sys.stdout.write(f'RESULT {hora.rank()} {hora.size()} {hora.mpi_enabled()} {w} {s}\\n'); "
+              "sys.stdout.flush()")
     out = hora_cli(["run", "--mpi", "-np", "2", "--mpi-args=--oversubscribe", "python", "-c", script]).stdout
     assert sorted(records(out, "RESULT")) == ["0 2 True 0 3.0", "1 2 True 1 3.0"], out
     refused = hora_cli(["run", "-np", "2", "--mpi-args=-v", "python", "-c", "pass"], check=False)
@@ -136,9 +137,10 @@ def _survivor_records(out_dir: Path, proc) -> dict[int, dict]:
             found[survivor] = json.loads(path.read_text())
     killed_at = float((out_dir / "killed_at").read_text())
     for survivor, seen in found.items():
-        assert seen["is_internal"] and seen["type"] in ("HorovodInternalError", "PeerFailureError"), seen
-        assert "rank 2" in seen["message"] and any(w in seen["message"] for w in ("died", "crashed")), seen
-        assert seen["at"] - killed_at < 10.0, seen  # well inside the transport timeout (30 s)
+        why = f"rank {survivor}: {seen}\n{proc.stderr[-3000:]}"
+        assert seen["is_internal"] and seen["type"] in ("HorovodInternalError", "PeerFailureError"), why
+        assert "rank 2" in seen["message"] and any(w in seen["message"] for w in ("died", "crashed")), why
+        assert seen["at"] - killed_at < 10.0, why  # well inside the transport timeout (30 s)
     return found
 
 

@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from mpi_jobs import mpi_env
 
 from hora.errors import ConfigError
 from hora.mpi.launcher_env import detect
-from mpi_jobs import mpi_env
 
 
 def test_open_mpi_variables() -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 import slurm_cluster
 from mpi_jobs import ROOT, mpi_env, records
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from job_env import clean_env
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch")
 
-from hora.nccl import device_tensor as dt
+from hora.nccl import device_tensor as dt  # noqa: E402 - after torch importorskip
 
 pytestmark = pytest.mark.timeout(60)
 

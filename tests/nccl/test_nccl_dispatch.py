@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch")
 
-from hora.engine.coordinator import Response
-from hora.engine.executor import Item
-from hora.engine.request import Handle, Kind, Request, signature
-from hora.nccl.communicators import CommunicatorTable
-from hora.nccl.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE
-from hora.nccl.device_tensor import DL_CUDA, DeviceBuffer, from_dlpack
-from hora.nccl.dispatch import DeviceExecutor, DeviceTensor, route
-from hora.nccl.ops import DeviceCollectives
-from hora.nccl.path import DEVICE, HOST
-from hora.rendezvous.auth import new_secret
-from hora.rendezvous.client import RendezvousClient
-from hora.rendezvous.server import RendezvousServer
-from hora.transport.base import ReduceOp
-from nccl_fakes import CallLog, RecordingCuda, RecordingNccl
-from test_nccl_communicators import InitRecorder
+from nccl_fakes import CallLog, RecordingCuda, RecordingNccl  # noqa: E402 - after torch importorskip
+from test_nccl_communicators import InitRecorder  # noqa: E402 - after torch importorskip
+
+from hora.engine.coordinator import Response  # noqa: E402 - after torch importorskip
+from hora.engine.executor import Item  # noqa: E402 - after torch importorskip
+from hora.engine.request import Handle, Kind, Request, signature  # noqa: E402 - after torch importorskip
+from hora.nccl.communicators import CommunicatorTable  # noqa: E402 - after torch importorskip
+from hora.nccl.cudart import DEVICE_TO_HOST, HOST_TO_DEVICE  # noqa: E402 - after torch importorskip
+from hora.nccl.device_tensor import DL_CUDA, DeviceBuffer, from_dlpack  # noqa: E402 - after torch importorskip
+from hora.nccl.dispatch import DeviceExecutor, DeviceTensor, route  # noqa: E402 - after torch importorskip
+from hora.nccl.ops import DeviceCollectives  # noqa: E402 - after torch importorskip
+from hora.nccl.path import DEVICE, HOST  # noqa: E402 - after torch importorskip
+from hora.rendezvous.auth import new_secret  # noqa: E402 - after torch importorskip
+from hora.rendezvous.client import RendezvousClient  # noqa: E402 - after torch importorskip
+from hora.rendezvous.server import RendezvousServer  # noqa: E402 - after torch importorskip
+from hora.transport.base import ReduceOp  # noqa: E402 - after torch importorskip
 
 pytestmark = pytest.mark.timeout(60)
 STREAM = 7
@@ -56,7 +58,7 @@ def _item(kind, shape, dev, **response_fields):
     sig = signature(kind, "float32", shape, **{k: v for k, v in response_fields.items()
                                                if k in ("op", "root", "prescale", "postscale")})
     extra = {k: v for k, v in response_fields.items() if k in ("rows", "splits")}
-    return Item(Response("t%x" % dev.buffer.ptr, sig, **extra), Request("t", sig, dev, Handle("t")))
+    return Item(Response(f"t{dev.buffer.ptr:x}", sig, **extra), Request("t", sig, dev, Handle("t")))
 
 
 @pytest.fixture

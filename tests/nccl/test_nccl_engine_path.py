@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from job_env import clean_env
 
 import hora
-from job_env import clean_env
 from hora.engine.coordinator import Coordinator
 from hora.engine.request import Kind, signature
 from hora.transport.base import ReduceOp

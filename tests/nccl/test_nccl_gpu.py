@@ -7,7 +7,6 @@ two ranks of one communicator on the same device ("Duplicate GPU detected").
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from hora.nccl import cudart, library
@@ -99,8 +98,9 @@ def _torch_engine_job() -> dict:
 
 
 def test_hora_torch_cuda_tensors_take_nccl_through_the_engine():
-    import hora
     from job_env import clean_env
+
+    import hora
 
     size = 1  # one GPU: NCCL refuses two ranks of one communicator on the same device
     [out] = hora.run(_torch_engine_job, np=size, env=clean_env(), start_timeout=120)
@@ -113,8 +113,9 @@ def test_hora_torch_cuda_tensors_take_nccl_through_the_engine():
 
 def test_two_ranks_on_one_gpu_through_host_memory():
     """Two ranks cannot share one GPU in a NCCL communicator, so HORA_NCCL=off takes the host path."""
-    import hora
     from job_env import clean_env
+
+    import hora
 
     results = hora.run(_torch_engine_job, np=2, env=clean_env({"HORA_NCCL": "off"}), start_timeout=120)
     for out in results:

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from nccl_fakes import CallLog, RecordingCuda, RecordingNccl
 
 from hora.nccl.communicators import DeviceComm
 from hora.nccl.cudart import DEVICE_TO_DEVICE, DEVICE_TO_HOST, HOST_TO_DEVICE
 from hora.nccl.library import DataType, RedOp
 from hora.nccl.ops import DeviceCollectives, combined_scale
 from hora.transport.base import ReduceOp
-from nccl_fakes import CallLog, RecordingCuda, RecordingNccl
 
 pytestmark = pytest.mark.timeout(60)
 

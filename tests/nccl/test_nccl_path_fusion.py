@@ -5,12 +5,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch")
 
-from hora.nccl import fusion
-from hora.nccl.device_tensor import DL_CPU, DL_CUDA, DL_CUDA_MANAGED, device_of
-from hora.nccl.path import DEVICE, HOST, NcclRequired, choose_path, parse_mode
-from hora.transport.base import ReduceOp
+from hora.nccl import fusion  # noqa: E402 - after torch importorskip
+from hora.nccl.device_tensor import DL_CUDA, DL_CUDA_MANAGED, device_of  # noqa: E402 - after torch importorskip
+from hora.nccl.path import DEVICE, HOST, NcclRequired, choose_path, parse_mode  # noqa: E402 - after torch importorskip
+from hora.transport.base import ReduceOp  # noqa: E402 - after torch importorskip
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch")
 
-from hora.engine.request import Kind
-from hora.nccl import context
-from hora.nccl.device_tensor import DL_CUDA
-from hora.torch.device import buffer_of, cuda_request
+from hora.engine.request import Kind  # noqa: E402 - after torch importorskip
+from hora.nccl import context  # noqa: E402 - after torch importorskip
+from hora.nccl.device_tensor import DL_CUDA  # noqa: E402 - after torch importorskip
+from hora.torch.device import buffer_of, cuda_request  # noqa: E402 - after torch importorskip
 
 
 def test_cpu_tensors_take_the_host_path_without_asking_nccl(monkeypatch):

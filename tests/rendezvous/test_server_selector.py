@@ -84,7 +84,7 @@ def _in_thread(func):
     def body():
         try:
             outcome["value"] = func()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test to assert on
+        except BaseException as exc:  # handed to the test to assert on
             outcome["error"] = exc
         finally:
             outcome["at"] = time.monotonic()
@@ -125,9 +125,9 @@ def test_sixty_four_connected_clients_are_served_by_one_thread():
         assert [t.name for t in threading.enumerate() if t.name.startswith("hora-rendezvous")] == [
             "hora-rendezvous"]
         srv.store.set("go", b"1")
-        for thread, outcome, done in waiters:
+        for _thread, outcome, done in waiters:  # done is set once the waiter's thread has its outcome
             assert done.wait(30)
-            assert outcome.get("value") == []
+            assert outcome.get("value") == [], outcome
     finally:
         for c in clients:
             c.close()

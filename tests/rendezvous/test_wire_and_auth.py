@@ -77,7 +77,7 @@ def _handshake(server_secret: str, client_secret: str) -> tuple[object, object]:
         try:
             func(sock, secret_bytes(secret), 10.0)
             outcome[name] = None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             outcome[name] = exc
         finally:
             sock.close()

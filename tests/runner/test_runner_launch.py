@@ -221,7 +221,7 @@ def test_lines_never_interleave_and_binary_is_safe_world_size_4(hora_run, tmp_pa
     assert len(body) == 800 and all(pattern.match(line) for line in body)
     for rank in range(4):
         mine = _lines(result.stdout, rank)
-        assert [int(l.split()[3]) for l in mine[:200]] == list(range(200))  # in order per rank
+        assert [int(line.split()[3]) for line in mine[:200]] == list(range(200))  # in order per rank
         assert mine[200] == "bytes \ufffd\ufffd end"
         assert mine[201] == "no newline at the end"
 

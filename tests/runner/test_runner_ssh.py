@@ -243,7 +243,8 @@ def test_failure_elsewhere_stops_the_remote_rank_world_size_2(hora_run, fake_ssh
         time.sleep(60)
     """)
     assert result.returncode == 3
-    assert result.stderr.splitlines()[-1] == "hora run: rank 0 on localhost exited with status 3; stopped the other worker"
+    assert result.stderr.splitlines()[-1] == (
+        "hora run: rank 0 on localhost exited with status 3; stopped the other worker")
     pid = int(result.stdout.split(marker, 1)[1].split()[0])
     assert not is_alive(pid)
 

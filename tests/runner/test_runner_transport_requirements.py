@@ -16,7 +16,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from job_env import clean_env
 
 pytestmark = pytest.mark.timeout(120)

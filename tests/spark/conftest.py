@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import pytest
-
 from spark_testing import LOCAL, LOCAL_CLUSTER, SharedSpark
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +43,13 @@ def spark_cluster() -> Any:
     while hora.spark.runner.task_slots(session.sparkContext) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     return session
+
+
+@pytest.fixture(scope="module")
+def digits_frame(spark: Any) -> Any:
+    """The digits DataFrame the estimator modules share (see :meth:`SharedSpark.digits`)."""
+    pytest.importorskip("sklearn")
+    return _SESSIONS.digits(spark)
 
 
 def _in_this_folder(item: pytest.Item | None) -> bool:

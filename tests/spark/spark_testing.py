@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-
 from job_env import is_hora_variable
 
 LOCAL = "local[2]"
@@ -47,7 +47,12 @@ def spark_session(master: str = LOCAL, **conf: str) -> Iterator[Any]:
                    .config("spark.sql.shuffle.partitions", "2")
                    .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
                    .config("spark.executor.extraJavaOptions", JVM_OPTIONS)
-                   .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(p for p in sys.path if p)))
+                   .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+                   # One OpenMP thread per Python worker, as a task has one CPU (spark.task.cpus): torch's
+                   # default of a thread per core in each of the two workers oversubscribes the cores,
+                   # and its spinning threads burn CPU waiting for each other (the Keras estimator
+                   # limits TensorFlow the same way itself).
+                   .config("spark.executorEnv.OMP_NUM_THREADS", "1"))
         for key, value in conf.items():
             builder = builder.config(key, value)
         session = builder.getOrCreate()
@@ -67,6 +72,7 @@ class SharedSpark:
         self._key: tuple[str, tuple[tuple[str, str], ...]] | None = None
         self._context: contextlib.AbstractContextManager[Any] | None = None
         self._session: Any = None
+        self._digits: tuple[Any, Any] | None = None
 
     def get(self, master: str, **conf: str) -> Any:
         key = (master, tuple(sorted(conf.items())))
@@ -77,7 +83,21 @@ class SharedSpark:
             self._context, self._key = context, key
         return self._session
 
+    def digits(self, session: Any) -> Any:
+        """scikit-learn's digits as ``features`` (64 pixels, 0-1) and ``label``, built once per session
+        and cached: the estimator modules all train on it, and each of their many actions (the
+        column checks, the Parquet write, ``transform``, ``count``) would otherwise re-run the Python
+        job that turns the rows into Spark's."""
+        if self._digits is None or self._digits[0] is not session:
+            from sklearn.datasets import load_digits
+
+            data = load_digits()
+            rows = [(list(map(float, x / 16.0)), int(y)) for x, y in zip(data.data, data.target)]
+            self._digits = (session, session.createDataFrame(rows, ["features", "label"]).cache())
+        return self._digits[1]
+
     def close(self) -> None:
+        self._digits = None
         context, self._context, self._key, self._session = self._context, None, None, None
         if context is not None:
             context.__exit__(None, None, None)

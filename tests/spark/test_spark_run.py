@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-import hora  # noqa: E402
-import hora.spark  # noqa: E402
-from hora.errors import ConfigError, LaunchError  # noqa: E402
-from hora.runner.run_args import UnsupportedOption  # noqa: E402
+import hora
+import hora.spark
+from hora.errors import ConfigError, LaunchError
+from hora.runner.run_args import UnsupportedOption
 
 
 def _identity() -> dict:

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("pyarrow")
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-from pyarrow import fs as pafs  # noqa: E402
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyarrow import fs as pafs
 
-from hora.errors import ConfigError  # noqa: E402
-from hora.spark.common.store import DBFSLocalStore, HDFSStore, LocalStore, Store  # noqa: E402
+from hora.errors import ConfigError
+from hora.spark.common.store import DBFSLocalStore, HDFSStore, LocalStore, Store
 
 
 def _write_dataset(store: Store, path: str, ids: list[int]) -> None:

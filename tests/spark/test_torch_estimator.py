@@ -4,8 +4,13 @@ and round-trips through Spark ML persistence, it fits inside a Pipeline, and bad
 any training starts, naming the column or the problem. Two estimators fitted one after the other on
 one store and run_id keep their data apart.
 
-The accuracy test and the persistence test share one 10-epoch fit (a fit is several Spark jobs and
-a barrier stage of two training tasks, the slow part here).
+The accuracy test and the persistence test share one fit (a fit is several Spark jobs and a barrier
+stage of two training tasks, the slow part here). Five epochs for it: SGD at 0.1 with momentum
+takes this network past 93% validation accuracy on the digits' 1437 training rows by the third epoch
+(0.936 to 0.975 at the fifth across six seeds of a plain-torch run of the same arithmetic, 0.942 to
+0.975 at the tenth), so the 90% bar keeps the margin it had at 10 epochs, while every epoch (a
+validation pass, a checkpoint written into the store) costs CPU in both processes. The example keeps
+its 10: it trains on fewer rows (a held-out fifth set aside), where five epochs come as low as 0.911.
 """
 
 from __future__ import annotations
@@ -27,15 +32,12 @@ from hora.spark.torch import TorchEstimator, TorchModel  # noqa: E402
 # The first test also waits for the shared fit (torch imported in two Spark workers, and the Spark
 # session when the module runs alone): minutes on a busy 2-core machine.
 pytestmark = pytest.mark.timeout(600)
+EPOCHS = 5
 
 
 @pytest.fixture(scope="module")
-def digits(spark):
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    rows = [(list(map(float, x / 16.0)), int(y)) for x, y in zip(data.data, data.target)]
-    return spark.createDataFrame(rows, ["features", "label"])
+def digits(digits_frame):
+    return digits_frame  # built once for the estimator modules, and cached (conftest.py)
 
 
 class Net(torch.nn.Module):
@@ -57,7 +59,7 @@ def _estimator(store, **overrides) -> TorchEstimator:
     model = Net()
     settings = dict(num_proc=2, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                     loss=torch.nn.functional.cross_entropy, metrics=[accuracy], feature_cols=["features"],
-                    label_cols=["label"], validation=0.2, batch_size=32, epochs=10, store=store, random_seed=7,
+                    label_cols=["label"], validation=0.2, batch_size=32, epochs=EPOCHS, store=store, random_seed=7,
                     verbose=0)
     settings.update(overrides)
     return TorchEstimator(**settings)
@@ -65,7 +67,7 @@ def _estimator(store, **overrides) -> TorchEstimator:
 
 @pytest.fixture(scope="module")
 def fitted(spark, digits, tmp_path_factory):
-    """One 10-epoch fit for the tests that check its accuracy and its persistence."""
+    """One fit for the tests that check its accuracy and its persistence."""
     store = Store.create(str(tmp_path_factory.mktemp("torch") / "store"))
     return _estimator(store).fit(digits), store
 
@@ -73,7 +75,7 @@ def fitted(spark, digits, tmp_path_factory):
 def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(fitted, digits):
     model, store = fitted
     history = model.getHistory()
-    assert len(history["loss"]) == 10 and len(history["val_accuracy"]) == 10
+    assert len(history["loss"]) == EPOCHS and len(history["val_accuracy"]) == EPOCHS
     run_id = model.getOrDefault(model.run_id)
     logged = json.loads(store.read(f"{store.get_logs_path(run_id)}/history.json"))
     assert logged == history  # the run's logs in the store hold the same history
@@ -85,7 +87,7 @@ def test_fit_reaches_90_percent_validation_accuracy_and_predicts_every_row(fitte
     assert all(len(row["label__output"]) == 10 for row in predicted)
     hits = sum(int(np.argmax(row["label__output"]) == row["label"]) for row in predicted)
     assert hits / len(predicted) >= 0.90
-    print(f"\nTorchEstimator, 10 epochs on 2 processes: val accuracy {history['val_accuracy'][-1]:.3f}, "
+    print(f"\nTorchEstimator, {EPOCHS} epochs on 2 processes: val accuracy {history['val_accuracy'][-1]:.3f}, "
           f"transform accuracy {hits / len(predicted):.3f}")
 
 

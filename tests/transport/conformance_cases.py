@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -323,7 +324,7 @@ def _error_case(exc_type: type[BaseException], call: Callable[[Communicator], An
             call(comm)
         except exc_type:
             pass
-        except Exception as exc:  # noqa: BLE001 - the wrong type is the failure being reported
+        except Exception as exc:  # the wrong type is the failure being reported
             raise AssertionError(
                 f"rank {comm.rank}: expected {exc_type.__name__}, got {type(exc).__name__}: {exc}"
             ) from None
@@ -376,7 +377,8 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int, covering: int | None
                 if not chosen(covering, j, len(SMALL_SIZES), i, d):
                     continue
                 shape = (7, 143) if count == 1001 else None
-                add(f"allreduce-{dtype_name(dtype)}-{op.name.lower()}-{count}", _allreduce_case(dtype, op, count, shape))
+                add(f"allreduce-{dtype_name(dtype)}-{op.name.lower()}-{count}",
+                    _allreduce_case(dtype, op, count, shape))
     for count, label in (
         (small_f32, "small_threshold"),
         (small_f32 + 1, "small_threshold_plus1"),
@@ -396,7 +398,8 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int, covering: int | None
             if chosen(covering, 0, 2, j, d):
                 add(f"allgather-{dtype_name(dtype)}-equal-{s}", _allgather_case(dtype, lambda m, s=s: [s] * m))
             if chosen(covering, 1, 2, j, d):
-                add(f"allgather-{dtype_name(dtype)}-ragged-{s}", _allgather_case(dtype, lambda m, s=s: [s + 3 * k for k in range(m)]))
+                add(f"allgather-{dtype_name(dtype)}-ragged-{s}",
+                    _allgather_case(dtype, lambda m, s=s: [s + 3 * k for k in range(m)]))
     add("allgather-float32-zero_on_rank0", _allgather_case(f32, lambda m: [0] + [5] * (m - 1)))
     add("allgather-float32-only_last_rank", _allgather_case(f32, lambda m: [0] * (m - 1) + [9]))
     add("allgather-float32-small_threshold", _allgather_case(f32, lambda m: split_counts(small_f32, m)))
@@ -427,7 +430,8 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int, covering: int | None
     for d, dtype in enumerate(SUPPORTED_DTYPES):
         for j, s in enumerate(SMALL_SIZES):
             if chosen(covering, 0, 2, j, d):
-                add(f"alltoall-{dtype_name(dtype)}-equal-{s}", _alltoall_case(dtype, lambda m, s=s: [[s] * m for _ in range(m)]))
+                add(f"alltoall-{dtype_name(dtype)}-equal-{s}",
+                    _alltoall_case(dtype, lambda m, s=s: [[s] * m for _ in range(m)]))
             if chosen(covering, 1, 2, j, d):
                 add(
                     f"alltoall-{dtype_name(dtype)}-ragged-{s}",
@@ -456,9 +460,12 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int, covering: int | None
                 if not chosen(covering, j, len(SMALL_SIZES), i, d, 1):
                     continue
                 counts_of = (lambda m, s=s: split_counts(s, m)) if s != 7 else (lambda m: [7 + k for k in range(m)])
-                add(f"reducescatter-{dtype_name(dtype)}-{op.name.lower()}-{s}", _reducescatter_case(dtype, op, counts_of))
-    add("reducescatter-float32-sum-zero_on_rank0", _reducescatter_case(f32, ReduceOp.SUM, lambda m: [0] + [6] * (m - 1)))
-    add("reducescatter-float32-sum-small_threshold", _reducescatter_case(f32, ReduceOp.SUM, lambda m: split_counts(small_f32, m)))
+                add(f"reducescatter-{dtype_name(dtype)}-{op.name.lower()}-{s}",
+                    _reducescatter_case(dtype, op, counts_of))
+    add("reducescatter-float32-sum-zero_on_rank0",
+        _reducescatter_case(f32, ReduceOp.SUM, lambda m: [0] + [6] * (m - 1)))
+    add("reducescatter-float32-sum-small_threshold",
+        _reducescatter_case(f32, ReduceOp.SUM, lambda m: split_counts(small_f32, m)))
     add(
         "reducescatter-float32-sum-small_threshold_plus1",
         _reducescatter_case(f32, ReduceOp.SUM, lambda m: split_counts(small_f32 + 1, m)),
@@ -469,8 +476,10 @@ def build_cases(n: int, small_bytes: int, chunk_bytes: int, covering: int | None
     )
     for b, dtype in enumerate(BIG_DTYPES):
         if chosen(covering, b, len(BIG_DTYPES), 4):
-            add(f"reducescatter-{dtype_name(dtype)}-sum-big", _reducescatter_case(dtype, ReduceOp.SUM, lambda m: split_counts(BIG_COUNT, m)))
-    add("reducescatter-int16-bor-big", _reducescatter_case(np.dtype(np.int16), ReduceOp.BOR, lambda m: split_counts(BIG_COUNT, m)))
+            add(f"reducescatter-{dtype_name(dtype)}-sum-big",
+                _reducescatter_case(dtype, ReduceOp.SUM, lambda m: split_counts(BIG_COUNT, m)))
+    add("reducescatter-int16-bor-big",
+        _reducescatter_case(np.dtype(np.int16), ReduceOp.BOR, lambda m: split_counts(BIG_COUNT, m)))
 
     # -- barrier and the object collectives
     add("barrier", _barrier_case(rounds=3))
@@ -537,7 +546,8 @@ def _error_calls(n: int) -> list[tuple[str, type[BaseException], Callable[[Commu
         ("reducescatter-object", TypeError, lambda c: c.reducescatter(
             np.array([None] * (2 * c.size), dtype=object), np.array([None] * 2, dtype=object), per_rank(c))),
         # send/receive dtypes differ
-        ("allgather-dtype_mismatch", TypeError, lambda c: c.allgather(zeros(2), zeros(2 * c.size, np.float64), per_rank(c))),
+        ("allgather-dtype_mismatch", TypeError, lambda c: c.allgather(
+            zeros(2), zeros(2 * c.size, np.float64), per_rank(c))),
         ("alltoall-dtype_mismatch", TypeError, lambda c: c.alltoall(
             zeros(2 * c.size), per_rank(c), zeros(2 * c.size, np.int32), per_rank(c))),
         ("reducescatter-dtype_mismatch", TypeError, lambda c: c.reducescatter(
@@ -554,17 +564,23 @@ def _error_calls(n: int) -> list[tuple[str, type[BaseException], Callable[[Commu
         # counts and sizes that do not match
         ("allgather-send_size", ValueError, lambda c: c.allgather(zeros(3), zeros(2 * c.size), per_rank(c))),
         ("allgather-recv_size", ValueError, lambda c: c.allgather(zeros(2), zeros(2 * c.size + 1), per_rank(c))),
-        ("allgather-counts_length", ValueError, lambda c: c.allgather(zeros(2), zeros(2 * c.size + 2), [2] * (c.size + 1))),
-        ("allgather-negative_count", ValueError, lambda c: c.allgather(zeros(2), zeros(2 * c.size), [2] * (c.size - 1) + [-1])),
-        ("alltoall-send_size", ValueError, lambda c: c.alltoall(zeros(2 * c.size + 1), per_rank(c), zeros(2 * c.size), per_rank(c))),
-        ("alltoall-recv_size", ValueError, lambda c: c.alltoall(zeros(2 * c.size), per_rank(c), zeros(2 * c.size - 1), per_rank(c))),
+        ("allgather-counts_length", ValueError, lambda c: c.allgather(
+            zeros(2), zeros(2 * c.size + 2), [2] * (c.size + 1))),
+        ("allgather-negative_count", ValueError, lambda c: c.allgather(
+            zeros(2), zeros(2 * c.size), [2] * (c.size - 1) + [-1])),
+        ("alltoall-send_size", ValueError, lambda c: c.alltoall(
+            zeros(2 * c.size + 1), per_rank(c), zeros(2 * c.size), per_rank(c))),
+        ("alltoall-recv_size", ValueError, lambda c: c.alltoall(
+            zeros(2 * c.size), per_rank(c), zeros(2 * c.size - 1), per_rank(c))),
         ("alltoall-counts_length", ValueError, lambda c: c.alltoall(
             zeros(2 * c.size + 2), [2] * (c.size + 1), zeros(2 * c.size), per_rank(c))),
         ("alltoall-self_count_mismatch", ValueError, lambda c: c.alltoall(
             zeros(2 * c.size + 1), [3 if j == c.rank else 2 for j in range(c.size)], zeros(2 * c.size), per_rank(c))),
-        ("reducescatter-send_size", ValueError, lambda c: c.reducescatter(zeros(2 * c.size + 1), zeros(2), per_rank(c))),
+        ("reducescatter-send_size", ValueError, lambda c: c.reducescatter(
+            zeros(2 * c.size + 1), zeros(2), per_rank(c))),
         ("reducescatter-recv_size", ValueError, lambda c: c.reducescatter(zeros(2 * c.size), zeros(3), per_rank(c))),
-        ("reducescatter-counts_length", ValueError, lambda c: c.reducescatter(zeros(2 * c.size + 2), zeros(2), [2] * (c.size + 1))),
+        ("reducescatter-counts_length", ValueError, lambda c: c.reducescatter(
+            zeros(2 * c.size + 2), zeros(2), [2] * (c.size + 1))),
         # roots outside the communicator
         ("broadcast-root_too_big", ValueError, lambda c: c.broadcast(zeros(4), c.size)),
         ("broadcast-root_negative", ValueError, lambda c: c.broadcast(zeros(4), -1)),
@@ -621,7 +637,7 @@ def conformance_worker(transport: str, knobs: dict[str, int], hosts: tuple[int, 
                 results[case.id] = (True, "", _digest(case.run(comm, env)))
             except AssertionError as exc:
                 results[case.id] = (False, str(exc), None)
-            except Exception as exc:  # noqa: BLE001 - reported per case
+            except Exception as exc:  # reported per case
                 where = traceback.format_exc()[-2000:]
                 results[case.id] = (False, f"rank {comm.rank}: {type(exc).__name__}: {exc}\n{where}", None)
     finally:

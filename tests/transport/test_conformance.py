@@ -125,7 +125,7 @@ def _job_results(world: World) -> list[dict[str, Any]] | BaseException:
                 conformance_worker, args=(world.transport, world.knobs, world.hosts, None, world.covering),
                 np=world.size, env=env,
                 use_mpi=mpi_args is not None or None, mpi_args=mpi_args)
-        except Exception as exc:  # noqa: BLE001 - every case of this world reports it
+        except Exception as exc:  # every case of this world reports it
             _JOBS[world.name] = exc
     return _JOBS[world.name]
 

@@ -51,7 +51,8 @@ def test_one_transport_runs_the_full_product_and_the_others_cover_it() -> None:
     full = [name for name, world in WORLDS.items() if world.covering is None]
     assert full and all(WORLDS[name].transport == FULL_PRODUCT_TRANSPORT for name in full)
     assert COVERING, "no world runs the covering"
-    assert {WORLDS[name].transport for name in COVERING} == {w.transport for w in WORLDS.values()} - {FULL_PRODUCT_TRANSPORT}
+    assert ({WORLDS[name].transport for name in COVERING}
+            == {w.transport for w in WORLDS.values()} - {FULL_PRODUCT_TRANSPORT})
 
 
 @pytest.mark.parametrize("name", COVERING)
@@ -77,9 +78,10 @@ def test_every_pair_of_factors_occurs_in_every_covering_world(name: str) -> None
             missing[collective] = gaps
     assert not missing, f"{name} misses pairs: {missing}"
     # Every edge case (ids outside the product families) is kept, and one big message per collective.
-    product = {i for i in full_ids if any(i.startswith(f"{c}-{d}-") and i.rsplit("-", 1)[-1] in SIZES + [f"root{r}" for r in roots]
-                                          for c in ("allreduce", "reducescatter", "broadcast", "allgather", "alltoall")
-                                          for d in DTYPES)}
+    product = {i for i in full_ids
+               if any(i.startswith(f"{c}-{d}-") and i.rsplit("-", 1)[-1] in SIZES + [f"root{r}" for r in roots]
+                      for c in ("allreduce", "reducescatter", "broadcast", "allgather", "alltoall")
+                      for d in DTYPES)}
     bigs = {i for i in full_ids if i.endswith("-big") or "-big-root" in i}
     assert (full_ids - product - bigs) <= ids
     for collective in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter"):

@@ -9,14 +9,22 @@ cannot do in memory instead of being a TCP communicator.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 import hora.transport
 from hora.errors import PeerFailureError, TransportError
-from hora.transport import TRANSPORTS, Communicator, HierarchicalCommunicator, ReduceOp, ShmCommunicator, TcpCommunicator
+from hora.transport import (
+    TRANSPORTS,
+    Communicator,
+    HierarchicalCommunicator,
+    ReduceOp,
+    ShmCommunicator,
+    TcpCommunicator,
+)
 
 TRANSPORT_DIR = Path(hora.transport.__file__).resolve().parent
 

@@ -38,7 +38,7 @@ def _hierarchical_worker(layout: tuple[int, ...]) -> dict[str, Any]:
                 buf = (base + rank).astype(dtype)
                 try:
                     comm.allreduce(buf, op)
-                except Exception as exc:  # noqa: BLE001 - reported to the test
+                except Exception as exc:  # reported to the test
                     report["errors"].append(f"{count} x {np.dtype(dtype).name} {op.name}: {type(exc).__name__}: {exc}")
                     return report
                 if op == ReduceOp.SUM:
@@ -57,7 +57,8 @@ def _hierarchical_worker(layout: tuple[int, ...]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (3, 1), (2, 2), (3, 2)], ids=lambda l: "+".join(map(str, l)))
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (3, 1), (2, 2), (3, 2)],
+                         ids=lambda layout: "+".join(map(str, layout)))
 def test_hierarchical_allreduce_sums_exactly_on_even_and_uneven_hosts(layout: tuple[int, ...]) -> None:
     env = {"HORA_HIERARCHICAL_ALLREDUCE": "1", "HORA_TRANSPORT_TIMEOUT": "15"}
     results = hora.run(_hierarchical_worker, args=(layout,), np=sum(layout), env=env)

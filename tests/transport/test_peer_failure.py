@@ -10,10 +10,10 @@ return values of ``hora.run``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
-import json
 import socket
 import time
 from typing import Any
@@ -48,7 +48,7 @@ def _allreduce_until_failure(comm, count: int, deadline_s: float) -> dict[str, A
         try:
             buf[...] = 1
             comm.allreduce(buf, ReduceOp.SUM)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+        except Exception as exc:  # reported to the test
             return {
                 "raised": True,
                 "type": type(exc).__name__,
@@ -218,7 +218,8 @@ def _stranger_worker(knocker: int, count: int) -> dict[str, Any]:
                 except OSError:
                     outcomes.append(f"{key}: garbage dropped")
         # 3. the rendezvous store: garbage, then the wrong secret
-        with socket.create_connection((config.get("rendezvous_addr"), config.get("rendezvous_port")), timeout=10) as sock:
+        with socket.create_connection((config.get("rendezvous_addr"), config.get("rendezvous_port")),
+                                      timeout=10) as sock:
             sock.sendall(b"\x00\x00\x00\x10" + b"x" * 200)
             sock.settimeout(10)
             try:

@@ -46,7 +46,7 @@ def _scale_job(transport: str) -> list[dict[str, Any]] | BaseException:
             _JOBS[transport] = hora.run(
                 conformance_worker, args=(transport, _knobs(), SCALE_WORLDS[transport], at_scale), np=SCALE,
                 env={"HORA_TRANSPORT_TIMEOUT": str(SCALE_TRANSPORT_TIMEOUT_S)})
-        except Exception as exc:  # noqa: BLE001 - every case of this world reports it
+        except Exception as exc:  # every case of this world reports it
             _JOBS[transport] = exc
     return _JOBS[transport]
 

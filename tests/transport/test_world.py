@@ -37,7 +37,8 @@ def _group_worker(groups: list[list[int]]) -> list[dict[str, Any]]:
             try:
                 buf = np.full(1001, rank + 1, dtype=np.float32)
                 comm.allreduce(buf)
-                reports.append({"kind": type(comm).__name__, "sum": float(buf[0]), "uniform": bool((buf == buf[0]).all())})
+                reports.append({"kind": type(comm).__name__, "sum": float(buf[0]),
+                                "uniform": bool((buf == buf[0]).all())})
             finally:
                 comm.close()
     finally:
@@ -53,7 +54,8 @@ GROUPS = [[0, 1], [0, 1, 2], [1, 2]]
     ("env", "kinds"),
     [
         ({}, ["ShmCommunicator", "TcpCommunicator", "TcpCommunicator"]),
-        ({"HORA_HIERARCHICAL_ALLREDUCE": "1"}, ["ShmCommunicator", "HierarchicalCommunicator", "HierarchicalCommunicator"]),
+        ({"HORA_HIERARCHICAL_ALLREDUCE": "1"},
+         ["ShmCommunicator", "HierarchicalCommunicator", "HierarchicalCommunicator"]),
         ({"HORA_TRANSPORT": "tcp"}, ["TcpCommunicator"] * 3),
     ],
     ids=["auto", "hierarchical", "tcp"],

@@ -9,12 +9,13 @@ the same timing rule as the transport sweep (warm-up, barrier, slowest rank's me
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from hora.errors import HoraError
 from hora.bench.sweep import BenchRow, BenchSpec, bus_factor, iteration_plan, parse_dtype, time_calls, timed_row
+from hora.errors import HoraError
 
 APIS: tuple[str, ...] = ("transport", "numpy", "torch", "torch-cuda")
 #: What each API's rows were measured on (the table's title).
@@ -67,7 +68,7 @@ def api_worker(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
     import hora
 
     if api in ("torch", "torch-cuda"):
-        import hora.torch  # noqa: F401 - fail here, naming torch, before anything is timed
+        import hora.torch  # fail here, naming torch, before anything is timed
     if api == "torch-cuda":
         import socket
 
@@ -108,11 +109,11 @@ def measure_api(spec: BenchSpec, api: str) -> list[dict[str, Any]] | None:
             call = _calls(api, count, dtype, None if spec.unnamed else f"bench.{api}.{nbytes}")[op]
             marks: list[int] = []  # name-negotiation rounds when the timed calls start and end
 
-            def barrier() -> None:
+            def barrier(marks: list[int] = marks) -> None:
                 hora.barrier()
                 marks.append(engine.negotiation_rounds)
 
-            def gather(mean: float) -> list[float]:
+            def gather(mean: float, marks: list[int] = marks) -> list[float]:
                 marks.append(engine.negotiation_rounds)
                 return hora.allgather_object(mean)
 

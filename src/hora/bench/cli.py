@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
+from hora.bench.api import API_OPS, API_SUBJECTS, APIS, api_worker, run_api_job
 from hora.bench.sweep import (
     DEFAULT_ITERS,
     DEFAULT_WARMUP,
@@ -26,7 +28,6 @@ from hora.bench.sweep import (
     run_job,
     size_sweep,
 )
-from hora.bench.api import API_OPS, API_SUBJECTS, APIS, api_worker, run_api_job
 from hora.errors import HoraError
 from hora.runner import identity
 

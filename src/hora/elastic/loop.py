@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from hora import basics, config
 from hora.errors import HoraError, HorovodInternalError, HostsUpdatedInterrupt
@@ -56,6 +57,7 @@ def run_fn(func: Callable[..., R], reset: Callable[[], None]) -> Callable[..., R
         resets = 0
         skip_sync = False
         while True:
+            cause: HorovodInternalError | HostsUpdatedInterrupt
             try:
                 if not skip_sync:
                     state.sync()

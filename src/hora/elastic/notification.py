@@ -44,7 +44,7 @@ class HostsUpdate:
         return json.dumps({"id": int(self.id), "skip_sync": bool(self.skip_sync)}).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "HostsUpdate":
+    def decode(cls, raw: bytes) -> HostsUpdate:
         """Parse a stored value; ValueError says what is wrong with it."""
         try:
             data = json.loads(raw)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -135,6 +136,10 @@ class ObjectState(State):
     a deep copy back, and ``sync`` broadcasts the committed values from rank 0 with
     ``bcast_object``.
     """
+
+    if TYPE_CHECKING:  # the keyword arguments' attributes, any name: what type checkers may assume
+        def __getattr__(self, name: str) -> Any: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __init__(self, bcast_object: BroadcastObject | None = None,
                  get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:

@@ -28,7 +28,7 @@ broadcast inside each host.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -130,7 +130,9 @@ def _hierarchical(comm: HierarchicalCommunicator, buf: np.ndarray, counts: list[
             work = compute_dtype(buf.dtype)
             buf[...] = part.astype(work) / work.type(local.size)
     if local.rank == 0:
-        _tree(comm.cross, buf, counts)  # type: ignore[arg-type]  # lane 0 of a multi-host job has its ring
+        cross = comm.cross
+        assert cross is not None  # lane 0 of a multi-host job has its ring
+        _tree(cross, buf, counts)
     if local.size > 1:
         local.broadcast(buf, 0)
 

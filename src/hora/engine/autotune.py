@@ -19,8 +19,8 @@ import csv
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 
@@ -85,7 +85,8 @@ class BayesianSearch:
 
     def _unit(self, x: np.ndarray) -> np.ndarray:
         lo, hi = self.bounds[:, 0], self.bounds[:, 1]
-        return (x - lo) / np.where(hi > lo, hi - lo, 1.0)
+        unit: np.ndarray = (x - lo) / np.where(hi > lo, hi - lo, 1.0)
+        return unit
 
     def add(self, x: list[float], score: float) -> None:
         self.xs.append(self._unit(np.array(x, dtype=float)))
@@ -156,7 +157,8 @@ class Tuner:
         self.trials.append((tried, score))
         if self.best is None or score > self.best[0]:
             self.best = (score, tried)
-        if self._stage == "joint":
+        best = self.best
+        if self._stage == "joint" and self._search is not None:  # "joint" only with a search
             self._search.add(self._joint_point(tried), score)
             self._joint_trials += 1
             if self._joint_trials < max(1, self.config.bayes_opt_max_samples):
@@ -169,11 +171,11 @@ class Tuner:
         while self._categorical_index < len(self._categorical):
             name = self._categorical[self._categorical_index]
             self._categorical_index += 1
-            base = self.best[1]
+            base = best[1]
             self.current = replace(base, **{name: not getattr(base, name)})
             return self.current
         self._stage = "done"
-        self.current = replace(self.best[1], active=False)
+        self.current = replace(best[1], active=False)
         return self.current
 
 
@@ -185,7 +187,8 @@ class Autotuner:
     """
 
     def __init__(self, config: AutotuneConfig, initial: TuningParams, is_coordinator: bool,
-                 apply: Callable[[TuningParams], None], broadcast: Callable[[object], object],
+                 apply: Callable[[TuningParams], None],
+                 broadcast: Callable[[TuningParams | None], TuningParams],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.params = initial
@@ -238,8 +241,8 @@ class Autotuner:
         """At a sample's end on every rank: the coordinator scores it and decides; all apply."""
         elapsed = max(self._clock() - (self._started or self._clock()), 1e-9)
         score = self._bytes / elapsed / 1e6  # MB/s
-        decision = None
-        if self.is_coordinator:
+        decision: TuningParams | None = None
+        if self.is_coordinator and self._tuner is not None:  # the coordinator is the one with a tuner
             if self._warmups_left > 0:
                 self._warmups_left -= 1
                 decision = self.params
@@ -247,16 +250,16 @@ class Autotuner:
             else:
                 decision = self._tuner.record(score)
                 self._log(self.params, score)
-                if not decision.active:
+                if not decision.active and self._tuner.best is not None:  # record() has set best
                     best_score, _ = self._tuner.best
                     self._log(decision, best_score)
                     logger.warning("autotune: done; best setting %s at %.1f MB/s", _describe(decision), best_score)
-        decision = self._broadcast(decision)
-        if decision != self.params:
-            self._apply(decision)
-        self.params = decision
+        agreed = self._broadcast(decision)
+        if agreed != self.params:
+            self._apply(agreed)
+        self.params = agreed
         self.steps_seen += 1
-        self.history.append((self.steps_seen, decision))
+        self.history.append((self.steps_seen, agreed))
         self._counts = {}
         self._bytes = 0
         self._started = None

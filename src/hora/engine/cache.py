@@ -25,7 +25,7 @@ class Lookup(enum.Enum):
 class ResponseCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, int(capacity))
-        self._entries: "OrderedDict[str, int]" = OrderedDict()  # name -> bit, least recent first
+        self._entries: OrderedDict[str, int] = OrderedDict()  # name -> bit, least recent first
         self._by_bit: list[tuple[Response, Signature] | None] = [None] * self.capacity
         self._free: list[int] = []  # freed bits below high_water, lowest reused first (a heap)
         #: One past the highest bit ever handed out. Identical on every member (the caches are), so

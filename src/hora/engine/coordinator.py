@@ -9,11 +9,12 @@ response for that name on every member, never a hang.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from hora.engine.request import PROCESS_SET_KINDS, Kind, Signature, signature
-
 
 _FUSIBLE = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST)
 #: Kinds whose agreement :meth:`Coordinator._disagreement` checks by comparing fields only (the others
@@ -33,7 +34,7 @@ class Response:
     joined: tuple[int, ...] = ()  # members contributing zeros (allreduce after join)
     last_joined: int = -1  # join: the last member to join
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Every negotiation round pickles the plan: send the fields alone, not the cached properties.
         return (Response, (self.name, self.signature, self.error, self.rows, self.splits, self.joined,
                            self.last_joined))
@@ -49,7 +50,7 @@ class Response:
         )
 
     @cached_property
-    def fusion_key(self) -> tuple | None:
+    def fusion_key(self) -> tuple[object, ...] | None:
         """Responses with equal keys may share a fusion buffer; None: never fused."""
         sig = self.signature
         if self.error is not None or sig.kind not in _FUSIBLE:
@@ -132,7 +133,7 @@ class Coordinator:
             sig = next(iter(self._pending[name].signatures.values()))
             if sig.group:
                 groups.setdefault(sig.group, []).append(name)
-        for group, names in groups.items():
+        for names in groups.values():
             sig = next(iter(self._pending[names[0]].signatures.values()))
             if len(names) < sig.group_size:
                 complete.difference_update(names)
@@ -179,11 +180,11 @@ class Coordinator:
             return None  # one interned signature on every member: no field can differ
         kind = ref.kind.value
 
-        def describe(field_name: str, value_of) -> str:
+        def describe(field_name: str, value_of: Callable[[Signature], object]) -> str:
             parts = ", ".join(f"rank {self.members[m]} has {value_of(sigs[m])}" for m in members)
             return f"Mismatched {kind} {field_name} for tensor {name!r}: {parts}"
 
-        checks = [
+        checks: list[tuple[str, Callable[[Signature], object]]] = [
             ("operations", lambda s: s.kind.value),
             ("data types", lambda s: s.dtype),
             ("reduce ops", lambda s: s.op),

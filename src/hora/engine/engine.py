@@ -13,23 +13,25 @@ a removed process set fails what was pending on it), or, while it goes on, in a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
+from hora.engine import request as request_module
+from hora.engine.autotune import AutotuneConfig, Autotuner, TuningParams
 from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
 from hora.engine.process_stderr import send_to_process_stderr
-from hora.engine import request as request_module
 from hora.engine.request import PROCESS_SET_KINDS, Handle, Kind, Request, process_set_signature
-from hora.engine.autotune import AutotuneConfig, Autotuner, TuningParams
 from hora.engine.timeline import Timeline
 from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
@@ -101,6 +103,12 @@ class EngineSettings:
 
 
 
+class _SwitchableHierarchy(Protocol):
+    """A communicator whose ``can_switch_hierarchy`` is true (a hierarchical one)."""
+
+    use_hierarchy: bool
+
+
 class DeviceContextLike(Protocol):
     """The engine's view of :class:`hora.nccl.context.DeviceContext` (the engine imports no NCCL)."""
 
@@ -118,7 +126,7 @@ class SetState:
     cache: ResponseCache
     executor: Executor
     coordinator: Coordinator | None
-    inbox: "queue.SimpleQueue[Request]" = field(default_factory=queue.SimpleQueue)
+    inbox: queue.SimpleQueue[Request] = field(default_factory=queue.SimpleQueue)
     in_flight: dict[str, Request] = field(default_factory=dict)  # submitted, not yet completed
     by_bit: dict[int, Request] = field(default_factory=dict)
     invalid: set[int] = field(default_factory=set)
@@ -137,7 +145,7 @@ class Engine:
         self,
         world: Communicator,
         settings: EngineSettings,
-        make_communicator,
+        make_communicator: Callable[[int, list[int], str], Communicator],
         timeline: Timeline | None = None,
         device_context: DeviceContextLike | None = None,
     ) -> None:
@@ -170,7 +178,7 @@ class Engine:
         self._next_set_id = 1
         # Unnamed collectives: a counter per process set and kind, started over when a join completes
         # (see auto_name).
-        self._name_counters: dict[tuple[int, str], itertools.count] = {}
+        self._name_counters: dict[tuple[int, str], itertools.count[int]] = {}
         self._join_epoch = 0
         #: Negotiation rounds (name-based coordinator exchanges) this rank has taken part in, all
         #: process sets together. Steady state served by the response cache adds none.
@@ -195,7 +203,7 @@ class Engine:
             executor=Executor(comm, list(members), self.settings.fusion_threshold, self.timeline),
             coordinator=Coordinator(list(members)) if comm.rank == 0 else None,
         )
-        state.executor.before_complete = lambda items, state=state: self._finished(state, items)
+        state.executor.before_complete = functools.partial(self._finished, state)
         if self.device_context is not None:
             context = self.device_context
             state.executor.device_runner_factory = lambda: context.runner(set_id, list(members))
@@ -236,7 +244,7 @@ class Engine:
                     state.by_bit.clear()
                     state.invalid.clear()
             if getattr(state.comm, "can_switch_hierarchy", False):
-                state.comm.use_hierarchy = params.hierarchical_allreduce
+                cast(_SwitchableHierarchy, state.comm).use_hierarchy = params.hierarchical_allreduce
 
     def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
         """Swap the timeline (start_timeline/stop_timeline); returns the previous one."""
@@ -343,7 +351,7 @@ class Engine:
         if self.device_context is not None:
             try:
                 self.device_context.close(failed=self._failed)
-            except Exception as exc:  # noqa: BLE001 - shutdown goes on; what failed is logged
+            except Exception as exc:  # shutdown goes on; what failed is logged
                 logger.warning("rank %d: closing the NCCL communicators failed: %s", self.global_rank, exc)
 
     def _fail_all(self, error: HorovodInternalError) -> None:
@@ -528,7 +536,7 @@ class Engine:
         except HorovodInternalError as exc:
             logger.error("%s", exc)  # the message already names the rank
             self._stop(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug must fail handles, not hang them
+        except Exception as exc:  # a bug must fail handles, not hang them
             logger.exception("rank %d: engine cycle crashed", self.global_rank)
             self._stop(HorovodInternalError(f"rank {self.global_rank}: engine cycle crashed: {exc!r}"))
         except BaseException:
@@ -673,8 +681,9 @@ class Engine:
         if items:
             for item in items:
                 cache.touch(item.response.name)
-            if self.timeline is not None and state.set_id == 0:
-                self._trace_cached_negotiation(state, items, flags_any)
+            timeline = self.timeline
+            if timeline is not None and state.set_id == 0:
+                self._trace_cached_negotiation(timeline, state, items, flags_any)
             self._execute(state, items)
             self._progress = True
         self._idle_cycles = 0 if self._progress or self._has_work() else self._idle_cycles + 1
@@ -683,27 +692,29 @@ class Engine:
             return self._negotiate(state, now)
         return False
 
-    def _trace_cached_negotiation(self, state: SetState, items: list[Item], flags_any: int) -> None:
+    def _trace_cached_negotiation(self, timeline: Timeline, state: SetState, items: list[Item],
+                                  flags_any: int) -> None:
         """Give cache-served tensors the negotiation span name-negotiated ones get: from this rank's
         submission to now, with the members that readied tensors this cycle marked as arriving now
         (the late ones, when this rank had been waiting)."""
         arrived = flags_any >> _ARRIVAL_SHIFT
         late = [state.members[m] for m in range(min(len(state.members), _ARRIVAL_MEMBERS)) if arrived >> m & 1]
         for item in items:
-            request = item.request
-            self.timeline.cached_negotiation(request.name, request.signature.kind.value, request.submitted_at,
-                                             state.members[state.comm.rank], late, len(state.members))
+            request = item.own_request()  # a cached tensor this rank readied
+            timeline.cached_negotiation(request.name, request.signature.kind.value, request.submitted_at,
+                                        state.members[state.comm.rank], late, len(state.members))
 
     def _negotiate(self, state: SetState, now: float) -> bool:
         self.negotiation_rounds += 1
         sending = state.uncached
         state.uncached = []
-        for request in sending:
-            state.awaiting[request.name] = request
+        for sent in sending:
+            state.awaiting[sent.name] = sent
         gathered = state.comm.gather_object([(r.name, r.signature) for r in sending], 0)
         plan = None
         coordinator = state.coordinator
         if coordinator is not None:
+            assert gathered is not None  # the coordinator's rank is the one that gathers
             state.last_round = now
             tl = self.timeline if state.set_id == 0 else None
             for member, signatures in enumerate(gathered):
@@ -785,10 +796,11 @@ class Engine:
             if not item.from_cache and item.response.cacheable:
                 evicted = state.cache.put(item.response, request.signature)
                 # A request may still be waiting on the bit the cache just reused: renegotiate it by name.
-                waiting = state.by_bit.get(evicted) if evicted is not None else None
-                if waiting is not None and not state.cache.has_bit(evicted, waiting.name):
-                    state.by_bit.pop(evicted)
-                    state.uncached.append(waiting)
+                if evicted is not None:
+                    waiting = state.by_bit.get(evicted)
+                    if waiting is not None and not state.cache.has_bit(evicted, waiting.name):
+                        state.by_bit.pop(evicted)
+                        state.uncached.append(waiting)
         if names:
             in_flight = state.in_flight
             with self._lock:

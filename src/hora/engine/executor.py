@@ -8,8 +8,9 @@ the fusion threshold; the members of a grouped collective always travel together
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -45,6 +46,11 @@ class Item:
     def __repr__(self) -> str:
         return f"Item({self.response.name!r}, from_cache={self.from_cache})"
 
+    def own_request(self) -> Request:
+        """The request, on a rank that has not joined (only allreduce runs on joined ranks)."""
+        assert self.request is not None, f"{self!r} has no request: its rank has joined"
+        return self.request
+
 
 class DeviceRunner(Protocol):
     """Runs negotiated CUDA items through NCCL (:class:`hora.nccl.dispatch.DeviceExecutor`)."""
@@ -54,7 +60,7 @@ class DeviceRunner(Protocol):
 
 @dataclass
 class Bucket:
-    key: tuple | None  # None: a lone item, run without planning
+    key: tuple[object, ...] | None  # None: a lone item, run without planning
     items: list[Item] = field(default_factory=list)
     nbytes: int = 0
 
@@ -67,9 +73,9 @@ def plan_buckets(items: list[Item], threshold: int) -> list[Bucket]:
     fusion key: members of different dtypes cannot share a buffer).
     """
     buckets: list[Bucket] = []
-    open_by_key: dict[tuple, Bucket] = {}
+    open_by_key: dict[tuple[object, ...], Bucket] = {}
     units: list[list[Item]] = []
-    group_units: dict[tuple, list[Item]] = {}
+    group_units: dict[tuple[object, ...], list[Item]] = {}
     for item in items:
         response = item.response
         group = response.signature.group
@@ -277,7 +283,7 @@ class Executor:
         for item, outcome, failed in finishing:
             if item.request is not None:
                 if failed:
-                    item.request.handle.set_error(outcome)  # type: ignore[arg-type]
+                    item.request.handle.set_error(cast(BaseException, outcome))  # failed: an exception
                 else:
                     item.request.handle.set_result(outcome)
 
@@ -294,14 +300,15 @@ class Executor:
         dtype = sig.np_dtype
         post = _postscale(sig, self.comm.size)
         op = _transport_op(sig)
-        if len(items) == 1 and self._into is not None and op is not _ADASUM and sig.prescale == 1.0:
+        into = self._into
+        if len(items) == 1 and into is not None and op is not _ADASUM and sig.prescale == 1.0:
             # The transport reduces straight from the caller's array into the result (shared memory:
             # one copy in, one copy out, pipelined), with no fusion buffer between.
             item = items[0]
             out = self._output_of(item, dtype)
             src = item.request.buffer if item.request is not None else out  # joined: zeros
             # Average's division (any postscale) rides on the transport's copy out.
-            self._transport(items, lambda: self._into(src.reshape(-1), out.reshape(-1), op, post))
+            self._transport(items, lambda: into(src.reshape(-1), out.reshape(-1), op, post))
             self._complete(item, out)
             return
         if len(items) == 1 and not self._stages(sig.nbytes()):
@@ -414,12 +421,12 @@ class Executor:
 
     def _send_block(self, items: list[Item], dtype: np.dtype, count: int) -> np.ndarray:
         if len(items) == 1:
-            return np.ascontiguousarray(items[0].request.buffer).reshape(-1)
+            return np.ascontiguousarray(items[0].own_request().buffer).reshape(-1)
         self._activity(items, "MEMCPY_IN_FUSION_BUFFER", True)
         send = np.empty(count, dtype=dtype)
         offset = 0
         for item in items:
-            flat = item.request.buffer.reshape(-1)
+            flat = item.own_request().buffer.reshape(-1)
             send[offset : offset + flat.size] = flat
             offset += flat.size
         self._activity(items, "MEMCPY_IN_FUSION_BUFFER", False)
@@ -434,8 +441,8 @@ class Executor:
         outs = []
         for item in items:
             out = self._output_of(item, dtype)
-            if self.comm.rank == root and item.request.buffer is not out:
-                out[...] = item.request.buffer
+            if self.comm.rank == root and item.own_request().buffer is not out:
+                out[...] = item.own_request().buffer
             outs.append(out)
         if len(items) == 1:
             self._transport(items, lambda: self.comm.broadcast(outs[0].reshape(-1), root))
@@ -465,8 +472,9 @@ class Executor:
         row = sig.row_count
         send_rows = list(response.splits[me])
         recv_rows = [response.splits[m][me] for m in range(self.comm.size)]
-        send = np.ascontiguousarray(item.request.buffer).reshape(-1)
-        out = np.empty((sum(recv_rows),) + tuple(item.request.buffer.shape[1:]), dtype=dtype)
+        buffer = item.own_request().buffer
+        send = np.ascontiguousarray(buffer).reshape(-1)
+        out = np.empty((sum(recv_rows),) + tuple(buffer.shape[1:]), dtype=dtype)
         self._transport(
             [item],
             lambda: self.comm.alltoall(
@@ -481,7 +489,7 @@ class Executor:
         size = self.comm.size
         rows = reducescatter_rows(sig.shape[0] if sig.shape else 0, size)
         row = sig.row_count
-        send = np.array(item.request.buffer, dtype=dtype, copy=True).reshape(-1)
+        send = np.array(item.own_request().buffer, dtype=dtype, copy=True).reshape(-1)
         _scale(send, sig.prescale)
         out = np.empty((rows[self.comm.rank],) + tuple(sig.shape[1:]), dtype=dtype)
         op = _transport_op(sig)

@@ -22,7 +22,7 @@ class ProcessStderrHandler(logging.Handler):
             while data:
                 written = os.write(2, data)
                 data = data[written:]
-        except Exception:  # noqa: BLE001 - logging's contract: a failing handler reports, never raises
+        except Exception:  # logging's contract: a failing handler reports, never raises
             self.handleError(record)
 
 

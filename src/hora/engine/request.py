@@ -21,7 +21,6 @@ import numpy as np
 from hora.transport.base import ReduceOp
 
 
-
 class Kind(str, enum.Enum):
     ALLREDUCE = "ALLREDUCE"
     ALLGATHER = "ALLGATHER"
@@ -65,7 +64,7 @@ class Signature:
     device: str = ""
 
     @cached_property
-    def _key(self) -> tuple:
+    def _key(self) -> tuple[object, ...]:
         return (self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
                 self.group, self.group_size, self.splits, self.set_ranks, self.set_id, self.device)
 
@@ -79,7 +78,7 @@ class Signature:
     def __hash__(self) -> int:
         return hash(self._key)
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Negotiation pickles signatures every round. Only the fields travel (not the cached
         # properties), as plain values, and the receiver gets the interned object back, so the
         # coordinator's and the cache's comparisons stay identity checks.
@@ -105,7 +104,7 @@ class Signature:
         return self.count * self.np_dtype.itemsize
 
 
-_INTERNED: dict[tuple, Signature] = {}
+_INTERNED: dict[tuple[object, ...], Signature] = {}
 _INTERN_LIMIT = 1 << 16  # distinct signatures kept; past it the table starts over (no leak)
 
 
@@ -244,11 +243,16 @@ class Handle:
 
 
 class Request:
-    """One tensor's collective on this rank."""
+    """One tensor's collective on this rank.
+
+    ``buffer`` is the input: a numpy array on the host path, a :class:`hora.nccl.dispatch.DeviceTensor`
+    on the device path (``signature.device == "cuda"``), None for a request that carries no tensor
+    (join, barrier, process-set changes).
+    """
 
     __slots__ = ("name", "signature", "buffer", "handle", "process_set_id", "output", "submitted_at")
 
-    def __init__(self, name: str, signature: Signature, buffer: np.ndarray | None, handle: Handle,
+    def __init__(self, name: str, signature: Signature, buffer: Any, handle: Handle,
                  process_set_id: int = 0, output: np.ndarray | None = None, submitted_at: float = 0.0) -> None:
         self.name = name
         self.signature = signature

@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class Timeline:
         # Open "B" spans per (tensor, event name): an "E" with no open "B" (a timeline started while
         # that tensor was already on its way) is dropped, so every span in the file is balanced.
         self._open: dict[tuple[str, str], int] = {}
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._t0 = time.monotonic()
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
@@ -53,7 +54,7 @@ class Timeline:
         """Whether a span ``event`` of tensor ``name`` has begun and not yet ended."""
         return (name, event) in self._open
 
-    def _emit(self, name: str, ph: str, event: str, args: dict | None = None, tid: int = 0) -> None:
+    def _emit(self, name: str, ph: str, event: str, args: dict[str, Any] | None = None, tid: int = 0) -> None:
         if ph == "B":
             self._open[(name, event)] = self._open.get((name, event), 0) + 1
         elif ph == "E":
@@ -133,14 +134,13 @@ class Timeline:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if None in batch:
-                done = True
-                batch = [b for b in batch if b is not None]
-            if batch:
-                self._append(batch)
+            records = [b for b in batch if b is not None]
+            done = len(records) < len(batch)  # None: close() asked the loop to end
+            if records:
+                self._append(records)
         self._file.close()
 
-    def _append(self, records: list[dict]) -> None:
+    def _append(self, records: list[dict[str, Any]]) -> None:
         text = ",\n".join(json.dumps(r, separators=(",", ":")) for r in records)
         try:
             self._file.seek(0, os.SEEK_END)

@@ -8,7 +8,8 @@ on the host and then continues; ``run_eagerly=True`` takes the direct path inste
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hora import horovod_args
 from hora.basics import ProcessSet
@@ -24,7 +25,7 @@ class JaxAllreducer:
         self.reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
         self.prefix, self.compression, self.groups = prefix, compression, groups
 
-    def __call__(self, grads: Sequence[Any], sources: Sequence[Any]) -> list:
+    def __call__(self, grads: Sequence[Any], sources: Sequence[Any] | None) -> list[Any]:
         present = [i for i, g in enumerate(grads) if g is not None]
         out = list(grads)
         r = self.reduction

@@ -16,7 +16,8 @@ immutable, so Horovod's in-place forms (``allreduce_``, ...) do not exist here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -17,7 +17,7 @@ import numpy as np
 from hora import collectives
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.collectives import allgather_object, broadcast_object
-from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
+from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.common_api import __all__ as _common
 from hora.compression import Compression
 from hora.keras import callbacks, elastic
@@ -63,6 +63,7 @@ def broadcast_global_variables(root_rank: int) -> None:
 
 
 __all__ = list(_common) + [
-    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "elastic", "allreduce", "allgather",
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "elastic",
+    "allreduce", "allgather",
     "broadcast", "reducescatter", "broadcast_global_variables", "broadcast_object", "allgather_object",
 ]

@@ -9,7 +9,8 @@ and place nothing (hora reduces in host memory). Under ``TF_USE_LEGACY_KERAS=1``
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,7 +18,10 @@ from hora import basics, batched, collectives
 from hora.basics import Average
 from hora.keras_wrapper import build_now, keras_api, to_numpy, uses_tf_keras
 
-keras = keras_api()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1: the callbacks' base classes
+if TYPE_CHECKING:  # tf_keras has the same API
+    import keras
+else:
+    keras = keras_api()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1: the callbacks' base classes
 logger = logging.getLogger(__name__)
 _value = to_numpy
 
@@ -185,12 +189,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         epoch = self.current_epoch
+        assert epoch is not None, "on_epoch_begin comes first"
         if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
             return
         if self.staircase:
             if batch == 0:
                 self._adjust_learning_rate(epoch)
         else:
+            assert self.steps_per_epoch is not None, "on_train_begin sets it"
             self._adjust_learning_rate(epoch + float(batch) / self.steps_per_epoch)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -210,6 +216,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                  steps_per_epoch: int | None = None, verbose: int = 0) -> None:
         def multiplier(epoch: float) -> float:
             # counted at the end of each batch, so that the last batch of an epoch lands on a round value
+            assert self.steps_per_epoch is not None, "on_train_begin sets it (staircase=False)"
             epoch += 1.0 / self.steps_per_epoch
             size = basics.size()
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
@@ -221,7 +228,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and basics.rank() == 0:
+        end_epoch = self.end_epoch  # warmup_epochs
+        if end_epoch is not None and epoch == end_epoch - 1 and self.verbose > 0 and basics.rank() == 0:
             # verbose asks for a line on stdout, as Keras' own callbacks print theirs
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self._learning_rate():g}.")
 

@@ -31,14 +31,13 @@ from typing import Any
 
 import keras
 
-from hora.elastic import State
+from hora.elastic import ObjectState, State
 
-if keras.backend.backend() == "tensorflow":
-    from hora.tensorflow.elastic import TensorFlowKerasState as _ModelState
-    from hora.tensorflow.elastic import run
-else:
+if keras.backend.backend() != "tensorflow":
     from hora.elastic import run
     from hora.elastic_variables import KerasModelState as _ModelState
+else:  # TensorFlowKerasState is a KerasModelState
+    from hora.tensorflow.elastic import TensorFlowKerasState as _ModelState, run
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
@@ -92,7 +91,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
     repeat the batches of a partly done epoch skips them in its own data (from ``state.batch``).
     """
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: ObjectState) -> None:
         super().__init__()
         self.state = state
         self.steps_per_epoch: int | None = None
@@ -117,7 +116,7 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
     """At each epoch's end set ``state.epoch`` to the number of epochs done in all: the epoch the state
     held when this ``fit`` call began, plus Keras' epoch (counted from 0 in each call), plus 1."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: ObjectState) -> None:
         super().__init__()
         self.state = state
         self.initial_epoch = state.epoch

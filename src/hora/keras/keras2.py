@@ -27,7 +27,8 @@ graph hora.tensorflow's graph aggregator, Horovod's graph helper.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 import tf_keras

@@ -10,19 +10,19 @@ imported here only then, so hora.keras on the torch backend never imports Tensor
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 
 from hora import horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
-from hora.keras_wrapper import is_distributed, keras_api, uses_tf_keras, wrap
+from hora.keras_wrapper import Reducer, is_distributed, keras_api, uses_tf_keras, wrap
 
+_tensorflow_reducer: Callable[..., Reducer] | None = None
 if keras.backend.backend() == "tensorflow":
     from hora.tensorflow.gradients import GradientAllreducer as _tensorflow_reducer
-else:
-    _tensorflow_reducer = None
 
 
 def _keras2() -> Any:

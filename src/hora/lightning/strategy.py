@@ -29,7 +29,8 @@ import contextlib
 import functools
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -212,6 +213,11 @@ class HoraStrategy(ParallelStrategy):
     """
 
     strategy_name = "hora"
+
+    # Lightning's own attributes, which this class assigns (declared for type checkers only).
+    model: Any
+    optimizers: Any
+    _layer_sync: Any
 
     def __init__(
         self,
@@ -448,10 +454,11 @@ def _track_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
     @functools.wraps(step)
     def tracked_step(*args: Any, **kwargs: Any) -> Any:
         live = ref()
+        assert live is not None  # the function is the optimizer's own ``step`` attribute
         live._opt_called = True
         return step(live, *args, **kwargs)
 
-    tracked_step._wrapped_by_lr_sched = True
+    tracked_step.__dict__["_wrapped_by_lr_sched"] = True  # a function attribute (torch's marker)
     optimizer.step = tracked_step
 
 

@@ -100,7 +100,7 @@ def mpi4py_world() -> Any:
     """mpi4py's ``MPI`` module (initialising MPI), or None when mpi4py or its MPI library is missing."""
     try:
         from mpi4py import MPI
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a RuntimeError from a missing libmpi
+    except Exception as exc:  # ImportError, or a RuntimeError from a missing libmpi
         logger.debug("mpi4py is not usable: %s", exc)
         return None
     return MPI

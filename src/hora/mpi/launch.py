@@ -17,7 +17,8 @@ import shlex
 import shutil
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from hora.errors import ConfigError, LaunchError
 from hora.runner.hosts import Host
@@ -164,7 +165,7 @@ def check_transport(extra_env: Mapping[str, str] | None = None, where: str = "--
                           "transport)")
 
 
-def run_job(job: "Job", hosts: Sequence[Host], np: int, command: Sequence[str],
+def run_job(job: Job, hosts: Sequence[Host], np: int, command: Sequence[str],
             extra_env: Mapping[str, str] | None = None, mpi_args: str | None = None,
             output_dir: str | None = None, timeout: float | None = None) -> int:
     """Run ``command`` on ``np`` ranks through mpirun, in ``job`` (entered: its store is served);

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from hora.errors import ConfigError
 from hora.runner.hosts import SlotInfo

@@ -50,7 +50,8 @@ def broadcast_parameters(params: Any, root_rank: int = 0, prefix: str | None = N
         else:
             targets.append(p)
     arrays = [to_numpy(t, "broadcast_parameters") for t in targets]
-    for target, value in zip(targets, batched.broadcast_arrays(arrays, root_rank, name=f"{prefix}broadcast_parameters")):
+    values = batched.broadcast_arrays(arrays, root_rank, name=f"{prefix}broadcast_parameters")
+    for target, value in zip(targets, values):
         write_into(target, value)
 
 

@@ -12,7 +12,8 @@ does; hora's engine serves requests in submission order, and a non-zero priority
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mxnet as mx
 import numpy as np

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mxnet as mx
 

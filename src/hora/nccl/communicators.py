@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
+from typing import Protocol
 
 from hora.errors import HoraError
 
@@ -94,7 +95,7 @@ class CommunicatorTable:
             else:
                 try:
                     unique_id = self._store.get(store_key, self._timeout)
-                except Exception as exc:  # noqa: BLE001 - re-raised with the rank and set named
+                except Exception as exc:  # re-raised with the rank and set named
                     raise HoraError(f"rank {my_rank}: no NCCL unique id for process set {key} from its first "
                                     f"member (rank {members[0]}) within {self._timeout:.0f} s: {exc}") from exc
             if self._before_init is not None:
@@ -126,7 +127,7 @@ class CommunicatorTable:
         for key in list(self._comms):
             try:
                 self.release(key, abort)
-            except Exception as exc:  # noqa: BLE001 - shutdown goes on; the failure is logged
+            except Exception as exc:  # shutdown goes on; the failure is logged
                 logger.warning("destroying the NCCL communicator of set %s failed: %s", key, exc)
 
     def __contains__(self, key: Hashable) -> bool:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hora.errors import HoraError
 from hora.nccl.communicators import CommunicatorTable, Store
@@ -78,7 +79,7 @@ class DeviceContext:
 
     # ---- the engine's side ----------------------------------------------------------------------
 
-    def runner(self, set_id: int, members: list[int]) -> "SetRunner":
+    def runner(self, set_id: int, members: list[int]) -> SetRunner:
         """What the executor of set ``set_id`` (global ranks ``members``) hands device items to."""
         return SetRunner(self, set_id, members)
 
@@ -113,15 +114,16 @@ class DeviceContext:
         with self._lock:
             if self._closed:
                 raise HoraError(f"rank {self.global_rank}: the device path was used after hora shut down")
-            if self._collectives is None:
+            collectives, table = self._collectives, self._table
+            if collectives is None or table is None:  # made together, on the first use
                 factory = _backend_factory or _real_backend
                 cuda, nccl = factory()
                 device = self._device_of(cuda, items[0])
                 cuda.set_device(device)
                 self._cuda, self.device = cuda, device
-                self._collectives = DeviceCollectives(cuda, nccl, self._fusion_threshold)
-                self._table = CommunicatorTable(nccl, self._store, self._scope, self._timeout,
-                                                before_init=lambda: cuda.set_device(device))
+                collectives = self._collectives = DeviceCollectives(cuda, nccl, self._fusion_threshold)
+                table = self._table = CommunicatorTable(nccl, self._store, self._scope, self._timeout,
+                                                        before_init=lambda: cuda.set_device(device))
             else:
                 self._cuda.set_device(self.device)
             for item in items:
@@ -131,7 +133,7 @@ class DeviceContext:
                         f"rank {self.global_rank} on {socket.gethostname()}: tensor {item.response.name!r} is on "
                         f"cuda:{here}, but this process's NCCL collectives run on cuda:{self.device} (the "
                         "first CUDA tensor's device); hora uses one GPU per process, as Horovod does")
-            return self._collectives, self._table  # type: ignore[return-value]
+            return collectives, table
 
     @staticmethod
     def _device_of(cuda: Any, item: Any) -> int:

@@ -186,7 +186,7 @@ def device_of(tensor: Any) -> tuple[int, int]:
         return int(kind), int(index)
     if hasattr(tensor, "__cuda_array_interface__"):
         return DL_CUDA, -1
-    device = getattr(tensor, "device", None)
+    device: Any = getattr(tensor, "device", None)  # a framework's device object, if any
     if getattr(device, "type", None) == "cuda":
         return DL_CUDA, int(device.index or 0)
     return DL_CPU, 0

@@ -10,8 +10,9 @@ requires of its calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class DeviceTensor:
     tensor: Any
     buffer: DeviceBuffer
     stream: int | None  # the framework's current stream (None: it has none to chain on)
-    allocate: Allocate
+    allocate: Allocate | None  # None: an in-place allreduce_/broadcast_ (no new tensor is made)
     #: allreduce/broadcast: whether the result overwrites ``tensor`` (``allreduce_``), or goes to a
     #: new tensor that hora fills on its own stream (``allreduce``)
     inplace: bool = True

@@ -9,8 +9,8 @@ threshold travels alone, reduced in place without a copy.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 #: Byte alignment of each tensor inside the fusion buffer (CUDA's allocation granularity for vectors).
 ALIGNMENT = 256
@@ -52,12 +52,13 @@ def plan(entries: Sequence[tuple[Hashable, int]], threshold: int) -> list[Fusion
     open_by_key: dict[Hashable, FusionBucket] = {}
     for index, (key, nbytes) in enumerate(entries):
         if threshold <= 0 or nbytes >= threshold:
-            bucket = FusionBucket(key, [Slot(index, 0, nbytes)], align(nbytes))
-            buckets.append(bucket)
+            buckets.append(FusionBucket(key, [Slot(index, 0, nbytes)], align(nbytes)))
             continue
-        bucket = open_by_key.get(key)
-        offset = bucket.nbytes if bucket is not None else 0
-        if bucket is None or offset + nbytes > threshold:
+        open_bucket = open_by_key.get(key)
+        offset = open_bucket.nbytes if open_bucket is not None else 0
+        if open_bucket is not None and offset + nbytes <= threshold:
+            bucket = open_bucket
+        else:
             bucket = FusionBucket(key)
             buckets.append(bucket)
             open_by_key[key] = bucket

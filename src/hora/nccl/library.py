@@ -219,7 +219,8 @@ class Nccl:
             scalar = ctypes.c_float(scale) if dtype == DataType.FLOAT32 else ctypes.c_uint16(
                 int(np.array(scale, dtype=np.float16 if dtype == DataType.FLOAT16 else _bf16()).view(np.uint16)))
         else:
-            scalar = ctypes.c_int64(int(scale)) if dtype in (DataType.INT64, DataType.UINT64) else ctypes.c_int32(int(scale))
+            scalar = (ctypes.c_int64(int(scale)) if dtype in (DataType.INT64, DataType.UINT64)
+                      else ctypes.c_int32(int(scale)))
         self._check("ncclRedOpCreatePreMulSum",
                     self.lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), ctypes.byref(scalar), int(dtype), 1, comm))
         return op.value

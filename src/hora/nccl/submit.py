@@ -92,5 +92,5 @@ def cuda_request(kind: Kind, tensor: Any, name: str | None, process_set: Process
     shape = tuple(buffer.shape)
     sig = signature(kind, dtype_name(buffer.dtype), shape, op if reduces else ReduceOp.SUM, root,
                     float(prescale), float(postscale), group, group_size, splits, device="cuda")
-    device_tensor = DeviceTensor(tensor, buffer, stream, allocate, inplace)  # type: ignore[arg-type]
+    device_tensor = DeviceTensor(tensor, buffer, stream, allocate, inplace)
     return Request(name, sig, device_tensor, Handle(name), set_id)

@@ -6,7 +6,7 @@ docs/ray.md. Needs Ray: ``pip install "hora[ray]"``. Elastic jobs: ``ElasticRayE
 """
 
 try:
-    import ray  # noqa: F401
+    import ray  # noqa: F401 - only to say what is missing
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('hora.ray needs Ray, which is not installed: pip install "hora[ray]"') from exc
 

@@ -31,7 +31,8 @@ import math
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import cloudpickle
 import ray
@@ -85,7 +86,7 @@ def _free_resources_per_node() -> dict[str, dict[str, float]] | None:
         from ray._private.state import state
 
         return state.available_resources_per_node()
-    except Exception as exc:  # noqa: BLE001 - an older or newer Ray: fall back to node totals
+    except Exception as exc:  # an older or newer Ray: fall back to node totals
         logger.debug("hora.ray: per-node free resources are not available (%s); using node totals", exc)
         return None
 
@@ -134,7 +135,7 @@ class RayHostDiscovery:
     def find(self) -> HostSlots:
         try:
             entries = [entry for entry in ray.nodes() if entry.get("Alive")]
-        except Exception as exc:  # noqa: BLE001 - the cluster state could not be read this time
+        except Exception as exc:  # the cluster state could not be read this time
             raise DiscoveryError(f"reading Ray's node table failed: {exc}") from exc
         free = _free_resources_per_node()
         held = self.held()
@@ -177,7 +178,7 @@ class WorkerResult:
 class RayActorProcess:
     """One worker actor as the elastic driver sees it (a :class:`~hora.runner.elastic_driver.WorkerProcess`)."""
 
-    def __init__(self, launcher: "RayActorLauncher", actor: Any, number: int, slot: SlotInfo, node: RayNode) -> None:
+    def __init__(self, launcher: RayActorLauncher, actor: Any, number: int, slot: SlotInfo, node: RayNode) -> None:
         self.launcher = launcher
         self.actor = actor
         self.number = number
@@ -198,7 +199,7 @@ class RayActorProcess:
     def wait(self) -> tuple[int, str | None]:
         try:
             return self._run()
-        except Exception as exc:  # noqa: BLE001 - the driver must hear of every end, however it came
+        except Exception as exc:  # the driver must hear of every end, however it came
             logger.debug("hora.ray: worker %d failed in the driver", self.number, exc_info=True)
             return RAISED, f"could not be run: {type(exc).__name__}: {first_line(exc)}"
         finally:
@@ -303,7 +304,7 @@ class RayActorLauncher:
         for worker in workers:
             try:
                 pings.append(worker.actor.where.remote())
-            except Exception as exc:  # noqa: BLE001 - Ray may already be shutting down
+            except Exception as exc:  # Ray may already be shutting down
                 logger.debug("hora.ray: pinging a killed worker: %s", exc)
         if pings:
             ray.wait(pings, num_returns=len(pings), timeout=_ACTORS_GONE_S)
@@ -338,7 +339,7 @@ class RayActorLauncher:
             ).remote(self._sys_path)
         except LaunchError:
             raise
-        except Exception as exc:  # noqa: BLE001 - one host's trouble, not the job's end
+        except Exception as exc:  # one host's trouble, not the job's end
             raise LaunchError(f"Ray could not start a worker on {slot.hostname}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from exc
         assert self._context is not None
@@ -367,7 +368,7 @@ class RayActorLauncher:
     def kill(self, actor: Any) -> None:
         try:
             ray.kill(actor, no_restart=True)
-        except Exception as exc:  # noqa: BLE001 - already dead, or Ray is shutting down
+        except Exception as exc:  # already dead, or Ray is shutting down
             logger.debug("hora.ray: killing a worker: %s", exc)
 
     def describe_resources(self) -> str:
@@ -420,7 +421,7 @@ class _UserDiscovery:
     def find(self) -> HostSlots:
         try:
             found = self._find()
-        except Exception as exc:  # noqa: BLE001 - one failed poll; the driver keeps the last answer
+        except Exception as exc:  # one failed poll; the driver keeps the last answer
             raise DiscoveryError(f"the discovery raised {type(exc).__name__}: {exc}") from exc
         try:
             return {str(host): int(slots) for host, slots in dict(found).items() if int(slots) > 0}
@@ -431,7 +432,7 @@ class _UserDiscovery:
 def run_elastic_job(options: ElasticRayOptions, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                     kwargs: Mapping[str, Any] | None = None,
                     callbacks: Sequence[Callable[[Any], Any]] | None = None,
-                    on_start: Callable[["RayActorLauncher"], None] | None = None) -> tuple[list[Any], ElasticOutcome]:
+                    on_start: Callable[[RayActorLauncher], None] | None = None) -> tuple[list[Any], ElasticOutcome]:
     """Run ``fn`` as one elastic job to its end: each final rank's result in rank order, and the outcome.
 
     ``on_start(launcher)`` is called once the store is up (the executor keeps the launcher, so its
@@ -442,7 +443,7 @@ def run_elastic_job(options: ElasticRayOptions, fn: Callable[..., Any], args: Se
     call = Call(fn, args, kwargs)
     try:
         cloudpickle.dumps(call)
-    except Exception as exc:  # noqa: BLE001 - said before any worker starts, not once per worker
+    except Exception as exc:  # said before any worker starts, not once per worker
         raise ConfigError(f"hora.ray: the function or its arguments cannot be sent to the workers: "
                           f"{type(exc).__name__}: {first_line(exc)}") from exc
     discovery = RayHostDiscovery(options.resources)

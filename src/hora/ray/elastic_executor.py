@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import ray
 
@@ -165,8 +166,9 @@ class ElasticRayExecutor:
                         verbose: int = 1, **kwargs: Any) -> ElasticRaySettings:
         """The executor's settings (horovod.ray's signature, ``min_np``/``max_np`` being the older
         spellings of ``min_num_proc``/``max_num_proc``; see :class:`ElasticRaySettings`).
-        ``cooldown_range`` None (the default): ``DEFAULT_COOLDOWN_RANGE``. Other keyword arguments Horovod passes on to its settings object are
-        accepted and named in a warning: none of them changes anything here."""
+        ``cooldown_range`` None (the default): ``DEFAULT_COOLDOWN_RANGE``. Other keyword arguments Horovod
+        passes on to its settings object are accepted and named in a warning: none of them changes
+        anything here."""
         owner = "ElasticRayExecutor.create_settings"
         if kwargs:
             logger.warning("%s: %s not used by hora.ray (accepted for horovod.ray compatibility)", owner,

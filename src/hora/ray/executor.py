@@ -31,7 +31,8 @@ import logging
 import sys
 import time
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import ray
 import ray.exceptions
@@ -311,7 +312,7 @@ class RayExecutor:
             try:  # let hora leave cleanly where it can; a busy worker is killed all the same
                 ray.wait([actor.stop_hora.remote() for actor in self._workers],
                          num_returns=len(self._workers), timeout=min(5.0, self._timeout_s))
-            except Exception as exc:  # noqa: BLE001 - the workers are killed next regardless
+            except Exception as exc:  # the workers are killed next regardless
                 logger.debug("hora.ray: stopping hora on the workers: %s", exc)
         self._tear_down()
 
@@ -320,7 +321,7 @@ class RayExecutor:
         for actor in workers:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception as exc:  # noqa: BLE001 - already dead, or Ray is shutting down
+            except Exception as exc:  # already dead, or Ray is shutting down
                 logger.debug("hora.ray: killing a worker: %s", exc)
         placement, self._placement = self._placement, None
         if placement is not None:
@@ -404,7 +405,7 @@ class RayExecutor:
             raise LaunchError(f"hora.ray: {what}: a worker failed: {first_line(exc.cause)}\n"
                               f"{strip_colours(str(exc)).rstrip()}") from None
 
-    def _gather(self, refs: list[Any], what: str, relay: "ray_logger.CallbackRelay | None" = None) -> list[Any]:
+    def _gather(self, refs: list[Any], what: str, relay: ray_logger.CallbackRelay | None = None) -> list[Any]:
         """Every rank's result, in rank order, or the exception standing for the call's failure."""
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
@@ -449,14 +450,14 @@ class RayExecutor:
                      timeout=self._timeout_s)
         raise self._failure(outcome, stuck, what)
 
-    def _failure(self, outcome: "_Failures", stuck: list[int], what: str) -> BaseException:
+    def _failure(self, outcome: _Failures, stuck: list[int], what: str) -> BaseException:
         if outcome.death is not None:
             rank, exc = outcome.death
-            error = HorovodInternalError(f"hora.ray: rank {rank} of {self.num_workers} ({self._where(rank)}) "
-                                         f"was lost during {what}: {lost_reason(exc)}; the executor stopped its "
-                                         "workers: call start() again")
-            error.__cause__ = exc
-            return error
+            lost = HorovodInternalError(f"hora.ray: rank {rank} of {self.num_workers} ({self._where(rank)}) "
+                                        f"was lost during {what}: {lost_reason(exc)}; the executor stopped its "
+                                        "workers: call start() again")
+            lost.__cause__ = exc
+            return lost
         stopped = (f"ranks {stuck} were still running {self._timeout_s:g} s (timeout_s) after the first "
                    "failure and were stopped with the other workers: call start() again") if stuck else None
         rank, task_error = outcome.first_raised()

@@ -43,8 +43,8 @@ def remote_exception(task_error: ray.exceptions.RayTaskError, rank: int, where: 
     if stopped and hasattr(exc, "add_note"):
         exc.add_note(stopped)
     try:
-        exc.hora_rank = rank  # type: ignore[attr-defined]
-        exc.hora_remote_traceback = remote  # type: ignore[attr-defined]
+        exc.hora_rank = rank
+        exc.hora_remote_traceback = remote
     except AttributeError:
         logger.debug("cannot attach the rank to %r", exc)
     return exc

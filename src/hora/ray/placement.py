@@ -18,8 +18,12 @@ import logging
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
-                                      remove_placement_group)
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hora.errors import LaunchError
@@ -65,7 +69,7 @@ class Placement:
         if self.owned:
             try:
                 remove_placement_group(self.group)
-            except Exception as exc:  # noqa: BLE001 - Ray may already be shutting down
+            except Exception as exc:  # Ray may already be shutting down
                 logger.debug("removing the placement group failed: %s", exc)
 
 

@@ -16,7 +16,8 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 
@@ -136,7 +137,7 @@ class CallbackRelay:
                 value = cloudpickle.loads(blob)
                 for callback in self._callbacks:
                     callback(value)
-            except Exception as exc:  # noqa: BLE001 - reported when the call ends, not mid-run
+            except Exception as exc:  # reported when the call ends, not mid-run
                 logger.warning("hora.ray: a callback raised %r; later values are not delivered", exc)
                 self._error = exc
 

@@ -17,7 +17,8 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ray
 
@@ -45,7 +46,7 @@ def _failed(exc: BaseException) -> None:
     """A function raised: keep its traceback on the exception (it travels back pickled, with its
     attributes), then leave hora shut down here."""
     try:
-        exc.hora_remote_traceback = traceback.format_exc()  # type: ignore[attr-defined]
+        exc.hora_remote_traceback = traceback.format_exc()  # type: ignore[attr-defined]  # hora's own attribute on any exception
     except AttributeError:
         pass  # the driver falls back to Ray's formatted text
     stop_hora()
@@ -72,7 +73,7 @@ def _mark_rank(exc: BaseException) -> None:
     rank = _last_rank()
     if rank is not None:
         try:
-            exc.hora_rank = rank  # type: ignore[attr-defined]
+            exc.hora_rank = rank  # type: ignore[attr-defined]  # hora's own attribute on any exception
         except AttributeError:
             pass
 

@@ -6,7 +6,8 @@ import json
 import socket
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from hora.errors import RendezvousError
 from hora.rendezvous.auth import authenticate_as_client, secret_bytes
@@ -66,13 +67,13 @@ class RendezvousClient:
             except OSError:
                 pass
 
-    def __enter__(self) -> "RendezvousClient":
+    def __enter__(self) -> RendezvousClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, header: dict, value: bytes = b"") -> tuple[dict, bytes]:
+    def _call(self, header: dict[str, Any], value: bytes = b"") -> tuple[dict[str, Any], bytes]:
         with self._lock:
             if self._broken is not None:
                 raise RendezvousError(self._broken)

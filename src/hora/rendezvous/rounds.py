@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from hora.errors import RendezvousError
 
@@ -88,13 +89,13 @@ class Round:
             counts[hostname] = counts.get(hostname, 0) + 1
         return counts
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "size": self.size,
                 "hosts": [list(h) for h in self.hosts], "members": [list(m) for m in self.members],
                 "announcement": self.announcement}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Round":
+    def from_json(cls, data: dict[str, Any]) -> Round:
         announcement = data.get("announcement")
         return cls(int(data["generation"]), int(data["size"]),
                    tuple((str(h), int(s)) for h, s in data.get("hosts", ())),

@@ -19,13 +19,15 @@ only stalls itself.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import selectors
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from hora.errors import AuthenticationError, RendezvousError
 from hora.rendezvous.auth import CLIENT_REPLY_BYTES, answer_client, new_challenge, secret_bytes
@@ -48,7 +50,8 @@ _RECV_CHUNK = 1 << 20
 # rather than spin on a listener that stays readable.
 _ACCEPT_PAUSE = 0.1
 
-Reply = tuple[dict, bytes]
+Reply = tuple[dict[str, Any], bytes]
+_T = TypeVar("_T")
 # A parked request's test: called with ``expired``; a reply, or None to keep waiting (never None
 # once expired).
 Check = Callable[[bool], "Reply | None"]
@@ -59,7 +62,7 @@ class _Parked:
 
     __slots__ = ("check", "deadline", "header")
 
-    def __init__(self, check: Check, deadline: float, header: dict) -> None:
+    def __init__(self, check: Check, deadline: float, header: dict[str, Any]) -> None:
         self.check = check
         self.deadline = deadline
         self.header = header
@@ -71,7 +74,7 @@ class _Connection:
     __slots__ = ("sock", "peer", "inbuf", "outbuf", "authenticated", "server_nonce", "deadline",
                  "parked", "events")
 
-    def __init__(self, sock: socket.socket, peer: tuple, server_nonce: bytes) -> None:
+    def __init__(self, sock: socket.socket, peer: tuple[Any, ...], server_nonce: bytes) -> None:
         self.sock = sock
         self.peer = peer
         self.inbuf = bytearray()
@@ -117,7 +120,7 @@ class RendezvousServer:
         self._scratch = bytearray(_RECV_CHUNK)
         self._thread = threading.Thread(target=self._loop, name="hora-rendezvous", daemon=True)
 
-    def start(self) -> "RendezvousServer":
+    def start(self) -> RendezvousServer:
         self._thread.start()
         return self
 
@@ -135,7 +138,7 @@ class RendezvousServer:
         else:
             self._close_all()  # never started (or already ended): nothing else will close them
 
-    def __enter__(self) -> "RendezvousServer":
+    def __enter__(self) -> RendezvousServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -168,7 +171,7 @@ class RendezvousServer:
                     elif key.fileobj is self._wake_recv:
                         self._drain_wake()
                     else:
-                        conn = self._conns.get(key.fileobj)  # type: ignore[arg-type]
+                        conn = self._conns.get(cast(socket.socket, key.fileobj))  # only sockets are registered
                         if conn is not None:
                             self._service(conn, mask)
                 if self._stop.is_set():
@@ -407,7 +410,7 @@ class RendezvousServer:
             if expired_only and not expired:
                 continue
             try:
-                reply = _guarded(parked.header, lambda: parked.check(expired))
+                reply = _guarded(parked.header, functools.partial(parked.check, expired))
                 if reply is None:
                     continue
                 conn.parked = None
@@ -419,18 +422,18 @@ class RendezvousServer:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def _handle(self, header: object, value: bytes) -> "Reply | _Parked":
+    def _handle(self, header: object, value: bytes) -> Reply | _Parked:
         """One request's reply, or the request parked until it can be answered. A request the store
         refuses, or a malformed one, gets an error reply and the connection stays usable: only a
         broken frame (which desynchronises the stream) or a failed handshake ends a connection."""
-        def dispatch() -> "Reply | _Parked":
+        def dispatch() -> Reply | _Parked:
             if not isinstance(header, dict):
                 raise ValueError(f"a request header must be a JSON object, got {type(header).__name__}")
             return self._dispatch(header, value)
 
         return _guarded(header, dispatch)
 
-    def _dispatch(self, header: dict, value: bytes) -> "Reply | _Parked":
+    def _dispatch(self, header: dict[str, Any], value: bytes) -> Reply | _Parked:
         op = header.get("op")
         key = str(header.get("key", ""))
         store = self.store
@@ -489,7 +492,7 @@ class RendezvousServer:
         return {"ok": False, "error": f"unknown rendezvous op {op!r}"}, b""
 
 
-def _guarded(header: object, answer: Callable[[], "Reply | _Parked | None"]) -> "Reply | _Parked | None":
+def _guarded(header: object, answer: Callable[[], _T]) -> _T | Reply:
     """``answer()``, with the errors a request may meet turned into error replies."""
     try:
         return answer()
@@ -502,7 +505,7 @@ def _guarded(header: object, answer: Callable[[], "Reply | _Parked | None"]) -> 
                                       f"{type(exc).__name__}: {exc}"}, b""
 
 
-def _park_unless_answered(header: dict, check: Check) -> "Reply | _Parked":
+def _park_unless_answered(header: dict[str, Any], check: Check) -> Reply | _Parked:
     """Answer a waiting request now if it can be; otherwise park it for its (capped) slice."""
     slice_s = _wait_slice(header)
     deadline = time.monotonic() + slice_s
@@ -535,6 +538,6 @@ def _take_request(inbuf: bytearray) -> tuple[bytes, bytes] | None:
     return raw_header, value
 
 
-def _wait_slice(header: dict) -> float:
+def _wait_slice(header: dict[str, Any]) -> float:
     """The blocking time a request asks for, capped so a vanished client's request is dropped soon."""
     return max(0.0, min(float(header.get("timeout", 0.0)), MAX_WAIT_SLICE))

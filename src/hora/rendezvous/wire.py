@@ -43,7 +43,8 @@ def frame_prefix(length: int) -> bytes:
 
 def frame_length(buf: bytes | bytearray, offset: int = 0) -> int:
     """The length a frame prefix at ``buf[offset:]`` announces (``LENGTH_BYTES`` must be there)."""
-    return _LEN.unpack_from(buf, offset)[0]
+    length: int = _LEN.unpack_from(buf, offset)[0]
+    return length
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

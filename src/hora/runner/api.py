@@ -14,21 +14,22 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import cloudpickle
 
 from hora import config
 from hora.errors import ConfigError, HoraError, WorkerFailedError
-from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
-from hora.runner.job import Job
-from hora.runner.ssh import SshOptions
-from hora.runner.launch import JobOutcome
-from hora.runner.payload import dumps_call
 from hora.runner.discovery import DiscoveryFunction
 from hora.runner.elastic_driver import ElasticOutcome
 from hora.runner.elastic_launch import ElasticRequest, run_elastic
+from hora.runner.hosts import default_hosts, parse_hostfile, parse_hosts
+from hora.runner.job import Job
+from hora.runner.launch import JobOutcome
+from hora.runner.payload import dumps_call
 from hora.runner.run_args import NO_MPI_CONTROLLER, NO_MPIRUN, UnsupportedOption
+from hora.runner.ssh import SshOptions
 from hora.runner.task import FUNC_KEY, SYS_PATH_KEY, result_key
 
 logger = logging.getLogger(__name__)
@@ -141,8 +142,8 @@ def run(
     if elastic:
         request = ElasticRequest.build(
             size, low, high,
-            None if hosts is None and hostfile is None
-            else parse_hosts(hosts) if hosts is not None else parse_hostfile(hostfile),
+            parse_hosts(hosts) if hosts is not None
+            else parse_hostfile(hostfile) if hostfile is not None else None,
             discovery_script=discovery if isinstance(discovery, str) else None,
             discovery_function=None if isinstance(discovery, str) else discovery,
             slots_per_host=slots, elastic_timeout=elastic_timeout, reset_limit=reset_limit,
@@ -185,8 +186,8 @@ def _run_through_mpirun(hosts: Sequence[Any], size: int, command: list[str], pay
     if status != 0:
         failed = [r for r, b in sorted(blobs.items()) if b is not None and cloudpickle.loads(b)[0] == "error"]
         rank = failed[0] if failed else next((r for r, b in sorted(blobs.items()) if b is None), 0)
-        outcome.failure = WorkerExit(rank, hostnames[rank], status,
-                                     detail=None if failed else f"ended under mpirun, which exited with status {status}")
+        detail = None if failed else f"ended under mpirun, which exited with status {status}"
+        outcome.failure = WorkerExit(rank, hostnames[rank], status, detail=detail)
     return _collect(outcome, blobs, hostnames)
 
 
@@ -276,7 +277,7 @@ def _collect(outcome: JobOutcome, blobs: Mapping[int, bytes | None], hosts: Mapp
             )
         try:
             decoded = cloudpickle.loads(blob)
-        except Exception as exc:  # noqa: BLE001 - e.g. a class that exists only in the worker
+        except Exception as exc:  # e.g. a class that exists only in the worker
             raise HoraError(f"the result of rank {rank} cannot be unpickled here: {exc!r}; "
                             "return types importable in the calling process") from None
         if decoded[0] == "error":  # a worker that stored an error exits 1; never return it as a value
@@ -293,7 +294,7 @@ def raise_remote(rank: int, host: str, size: int, exc_blob: bytes | None, text: 
     if exc_blob is not None:
         try:
             exc = cloudpickle.loads(exc_blob)
-        except Exception as load_error:  # noqa: BLE001
+        except Exception as load_error:
             text = f"{text} (cannot be unpickled here: {load_error!r})"
     remote = remote_traceback.rstrip()
     if isinstance(exc, BaseException):
@@ -303,8 +304,8 @@ def raise_remote(rank: int, host: str, size: int, exc_blob: bytes | None, text: 
         exc = HoraError(f"{where} raised {text}, which cannot be sent back as an object; "
                         f"remote traceback:\n{remote}")
     try:
-        exc.hora_rank = rank  # type: ignore[attr-defined]
-        exc.hora_remote_traceback = remote_traceback  # type: ignore[attr-defined]
+        exc.hora_rank = rank  # type: ignore[attr-defined]  # hora's own attribute on any exception
+        exc.hora_remote_traceback = remote_traceback  # type: ignore[attr-defined]  # the same
     except AttributeError:
         logger.debug("cannot attach the rank to %r", exc)
     raise exc from None

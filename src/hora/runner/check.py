@@ -44,13 +44,13 @@ def transport_lines() -> list[str]:
     A registered transport is not a usable one, and a job on one that is not fails on every rank."""
     try:
         from hora.transport import TRANSPORTS, unavailable_reason
-    except Exception as exc:  # noqa: BLE001 - a broken install is exactly what check must show
+    except Exception as exc:  # a broken install is exactly what check must show
         return [f"tcp ring: no (hora.transport does not import: {exc})"]
     lines = []
     for name in sorted(TRANSPORTS):
         try:
             why = unavailable_reason(name)
-        except Exception as exc:  # noqa: BLE001 - a failing check is itself the answer
+        except Exception as exc:  # a failing check is itself the answer
             why = f"its check failed: {exc}"
         lines.append(f"{_TRANSPORT_LABELS.get(name, name)}: {'yes' if why is None else f'no ({why})'}")
     return lines
@@ -89,7 +89,7 @@ def nccl_lines() -> list[str]:
 
         code = nccl_version()
         usable, why = nccl_status()
-    except Exception as exc:  # noqa: BLE001 - a broken install is exactly what check must show
+    except Exception as exc:  # a broken install is exactly what check must show
         return [f"NCCL (GPU tensors): no (hora.nccl does not load: {exc})"]
     try:
         mode = parse_mode(config.get("nccl"))

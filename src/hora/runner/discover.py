@@ -30,8 +30,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -66,7 +66,7 @@ def dns_hosts(query: ServiceQuery, addresses: bool = False) -> list[str]:
         infos = socket.getaddrinfo(query.fqdn, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise DiscoverError(f"{query.fqdn} does not resolve ({exc.strerror or exc})") from None
-    ips = sorted({info[4][0] for info in infos}, key=_address_key)
+    ips = sorted({str(info[4][0]) for info in infos}, key=_address_key)  # (host, port, ...) tuples: host is str
     if addresses:
         return ips
     return sorted({_name_of(ip) for ip in ips})

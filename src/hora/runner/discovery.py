@@ -17,7 +17,8 @@ import os
 import signal
 import subprocess
 import tempfile
-from typing import Callable, Iterable, Mapping, Protocol, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from hora.errors import ConfigError, HoraError
 from hora.runner.hosts import Host, parse_host_entry
@@ -152,7 +153,7 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-DiscoveryFunction = Callable[[], Union[Mapping[str, int], Iterable[str]]]
+DiscoveryFunction = Callable[[], Mapping[str, int] | Iterable[str]]
 
 
 class FunctionDiscovery:
@@ -168,7 +169,7 @@ class FunctionDiscovery:
     def find(self) -> HostSlots:
         try:
             answer = self.func()
-        except Exception as exc:  # noqa: BLE001 - a failing callback is one failed poll
+        except Exception as exc:  # a failing callback is one failed poll
             raise DiscoveryError(f"the discovery function raised {type(exc).__name__}: {exc}") from None
         if isinstance(answer, Mapping):
             lines = [f"{host}:{slots}" for host, slots in answer.items()]

@@ -37,8 +37,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from hora import config
 from hora.elastic.notification import HostsUpdate, announce_hosts_update, read_hosts_update
@@ -47,9 +48,9 @@ from hora.rendezvous import KeyValueStore
 from hora.rendezvous.rounds import Round
 from hora.runner.discovery import DiscoveryError, HostDiscovery
 from hora.runner.elastic_hosts import HostRegistry, Plan, describe_plan, plan_size, plan_slots, plan_world
+from hora.runner.exits import ExitWatcher
 from hora.runner.hosts import SlotInfo
 from hora.runner.job import Job
-from hora.runner.exits import ExitWatcher
 from hora.runner.launch import JobOutcome, WorkerExit, _explained, _SignalTrap, start_worker
 from hora.runner.locality import is_local_host
 from hora.runner.process import describe_returncode, signal_name

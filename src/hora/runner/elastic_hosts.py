@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from hora.runner.discovery import HostSlots
 from hora.runner.hosts import Host, SlotInfo, assign_slots

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence, TextIO
+from typing import TextIO
 
 from hora import config
 from hora.errors import ConfigError
@@ -26,7 +27,7 @@ from hora.runner.discovery import (
     ScriptDiscovery,
 )
 from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
-from hora.runner.hosts import Host, default_hosts, parse_hostfile, parse_hosts
+from hora.runner.hosts import Host, SlotInfo, default_hosts, parse_hostfile, parse_hosts
 from hora.runner.job import Job
 from hora.runner.ssh import SshOptions
 
@@ -50,7 +51,7 @@ class ElasticRequest:
               discovery_script: str | None = None, discovery_function: DiscoveryFunction | None = None,
               slots_per_host: int | None = None, elastic_timeout: float | None = None,
               reset_limit: int | None = None, cooldown_range: Sequence[float] | None = None,
-              where: str = "") -> "ElasticRequest":
+              where: str = "") -> ElasticRequest:
         """``where`` starts every error message (``hora.run``); the command line adds its own."""
         prefix = f"{where}: " if where else ""
         if np is None and min_np is None:
@@ -93,7 +94,7 @@ class ElasticRequest:
         return cls(settings, discovery)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ElasticRequest":
+    def from_args(cls, args: argparse.Namespace) -> ElasticRequest:
         hosts = (parse_hosts(args.hosts) if args.hosts is not None
                  else parse_hostfile(args.hostfile) if args.hostfile is not None else None)
         return cls.build(args.np, args.min_np, args.max_np, hosts, discovery_script=args.host_discovery_script,
@@ -112,7 +113,7 @@ def _initial_hosts(discovery: HostDiscovery) -> list[Host]:
     return [Host(name, slots) for name, slots in found.items()] or [Host("localhost", 1)]
 
 
-def run_elastic(request: ElasticRequest, command: Sequence[str] | object, *,
+def run_elastic(request: ElasticRequest, command: Sequence[str] | Callable[[SlotInfo], Sequence[str]], *,
                 extra_env: Mapping[str, str] | None = None, output_dir: str | None = None,
                 stdout: TextIO | None = None, stderr: TextIO | None = None,
                 kill_grace: float | None = None, ssh: SshOptions | None = None,

@@ -16,14 +16,15 @@ import os
 import select
 import selectors
 import threading
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
 # How often a worker without a pidfd, or one that exited but is not ready to report, is asked again.
 POLL_SECONDS = 0.05
 
-ExitCallback = Callable[[Hashable, int, "str | None"], None]
+_K = TypeVar("_K", bound=Hashable)  # what names a worker (its rank)
 
 
 def _pidfd(pid: int | None) -> int | None:
@@ -35,7 +36,7 @@ def _pidfd(pid: int | None) -> int | None:
         return None
 
 
-class ExitWatcher:
+class ExitWatcher(Generic[_K]):
     """Calls ``on_exit(key, returncode, detail)`` once for each watched worker, from one thread.
 
     A watched worker has ``poll_exit() -> (returncode, detail) | None`` and, for the pidfd, ``pid`` (a
@@ -43,17 +44,17 @@ class ExitWatcher:
     starts with the first worker and ends when none is left; :meth:`close` stops it early.
     """
 
-    def __init__(self, on_exit: ExitCallback, name: str = "hora-exits") -> None:
+    def __init__(self, on_exit: Callable[[_K, int, str | None], None], name: str = "hora-exits") -> None:
         self._on_exit = on_exit
         self._name = name
         self._lock = threading.Lock()
-        self._new: list[tuple[Hashable, Any]] = []
+        self._new: list[tuple[_K, Any]] = []
         self._watched = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         self._wake_w: int | None = None
 
-    def watch(self, key: Hashable, worker: Any) -> None:
+    def watch(self, key: _K, worker: Any) -> None:
         """Report ``worker``'s exit under ``key``."""
         if not callable(getattr(worker, "poll_exit", None)):
             threading.Thread(target=self._wait_blocking, args=(key, worker),
@@ -79,36 +80,39 @@ class ExitWatcher:
                 self._wake()
 
     def _wake(self) -> None:
+        wake_w = self._wake_w
+        assert wake_w is not None, "called only while the loop runs"
         try:
-            os.write(self._wake_w, b"x")  # type: ignore[arg-type]
+            os.write(wake_w, b"x")
         except OSError:
             pass  # a full wake pipe already wakes the loop
 
-    def _wait_blocking(self, key: Hashable, worker: Any) -> None:
+    def _wait_blocking(self, key: _K, worker: Any) -> None:
         returncode, detail = worker.wait()
         self._report(key, returncode, detail)
 
-    def _report(self, key: Hashable, returncode: int, detail: str | None) -> None:
+    def _report(self, key: _K, returncode: int, detail: str | None) -> None:
         try:
             self._on_exit(key, returncode, detail)
-        except Exception:  # noqa: BLE001 - one bad callback must not blind the watcher to the rest
+        except Exception:  # one bad callback must not blind the watcher to the rest
             logger.exception("reporting the exit of worker %s failed", key)
 
     def _loop(self, wake_r: int) -> None:
         os.set_blocking(wake_r, False)
         selector = selectors.DefaultSelector()
         selector.register(wake_r, selectors.EVENT_READ, None)
-        polled: dict[Hashable, Any] = {}  # asked every POLL_SECONDS: no pidfd, or exited but not ready
-        pidfds: dict[Hashable, int] = {}
+        polled: dict[_K, Any] = {}  # asked every POLL_SECONDS: no pidfd, or exited but not ready
+        pidfds: dict[_K, int] = {}
         try:
             while True:
                 with self._lock:
                     if self._closed or self._watched == 0:
-                        os.close(self._wake_w)  # type: ignore[arg-type]
+                        if self._wake_w is not None:  # set while this loop runs
+                            os.close(self._wake_w)
                         self._thread = self._wake_w = None
                         return
                     new, self._new = self._new, []
-                ready: dict[Hashable, Any] = {}  # keyed: a worker is asked once per pass
+                ready: dict[_K, Any] = {}  # keyed: a worker is asked once per pass
                 for key, worker in new:
                     fd = _pidfd(getattr(worker, "pid", None))
                     if fd is None:
@@ -150,7 +154,7 @@ class ExitWatcher:
             os.close(wake_r)
 
     @staticmethod
-    def _forget(selector: selectors.BaseSelector, pidfds: dict[Hashable, int], key: Hashable) -> None:
+    def _forget(selector: selectors.BaseSelector, pidfds: dict[_K, int], key: _K) -> None:
         fd = pidfds.pop(key, None)
         if fd is not None:
             selector.unregister(fd)

@@ -10,8 +10,9 @@ KeyError deep inside a connection attempt.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Any
 
 from hora import config
 from hora.errors import ConfigError, HoraError
@@ -37,7 +38,7 @@ def from_environment(environ: Mapping[str, str] | None = None) -> WorkerIdentity
     Raises :class:`HoraError` naming the missing variables when the process was not started by the
     launcher, and :class:`ConfigError` when the values contradict each other (rank >= size...).
     """
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     missing: list[str] = []
     launched = None if config.is_set("rank", environ) else launcher_env.detect(environ)
     if launched is not None:
@@ -56,7 +57,7 @@ def from_environment(environ: Mapping[str, str] | None = None) -> WorkerIdentity
             f"{'is' if len(missing) == 1 else 'are'} not set; start workers with `hora run` "
             "(or hora.run)"
         )
-    identity = WorkerIdentity(**values)  # type: ignore[arg-type]
+    identity = WorkerIdentity(**values)
     _check_consistent(identity)
     return identity
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Mapping, Sequence, TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import TextIO
 
 from hora import config
 from hora.errors import LaunchError
@@ -91,7 +92,7 @@ class Job:
         # Whether the store listens on loopback only (every host was this machine at the start).
         self.local_only = True
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         bind = LOCAL_BIND_ADDRESS
         if self.remote_hosts:
             assert self._ssh is not None

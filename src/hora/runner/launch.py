@@ -20,8 +20,10 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from types import FrameType
+from typing import Any
 
 from hora.errors import LaunchError
 from hora.runner.exits import ExitWatcher
@@ -97,7 +99,8 @@ class JobOutcome:
 
     @property
     def exit_code(self) -> int:
-        """0 on success; the failing worker's status (128+signum for signals); 128+signum if the launcher was signalled."""
+        """0 on success; the failing worker's status (128+signum for signals); 128+signum if the
+        launcher was signalled."""
         if self.signal is not None:
             return 128 + self.signal
         if self.failure is not None:
@@ -147,7 +150,7 @@ class _SignalTrap:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.received: int | None = None
         self.impatient = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def _handler(self, signum: int, frame: object) -> None:
         if self.received is None:
@@ -155,7 +158,7 @@ class _SignalTrap:
         else:
             self.impatient = True
 
-    def __enter__(self) -> "_SignalTrap":
+    def __enter__(self) -> _SignalTrap:
         if self.enabled:
             for name in _STOP_SIGNALS:
                 signum = getattr(signal, name, None)
@@ -166,7 +169,7 @@ class _SignalTrap:
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._previous.items():
             # None means the previous handler was installed outside Python: restore the default.
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
 
 
 def start_worker(spec: WorkerSpec, router: OutputRouter, label: int) -> LocalWorker | RemoteWorker:
@@ -208,7 +211,7 @@ class _Supervisor:
         self.exits: queue.Queue[tuple[int, int, str | None]] = queue.Queue()
         self.running: set[int] = set()
         self.outcome = JobOutcome(size=len(self.specs))
-        self.watcher = ExitWatcher(lambda rank, code, detail: self.exits.put((rank, code, detail)))
+        self.watcher: ExitWatcher[int] = ExitWatcher(lambda rank, code, detail: self.exits.put((rank, code, detail)))
 
     def start_all(self) -> None:
         for spec in self.specs:

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_names() -> frozenset[str]:
     names = set(_LOCAL_NAMES)
     hostname = socket.gethostname()

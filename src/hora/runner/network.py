@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from typing import Sequence
+from collections.abc import Sequence
 
 from hora.errors import LaunchError
 from hora.runner.remote_bootstrap import resolve_listen_address
@@ -58,10 +58,10 @@ def launcher_address(remote_hosts: Sequence[str], interfaces: Sequence[str] | No
             logger.info("rendezvous store on %s (from --network-interfaces)", address)
             return address
     for host in remote_hosts:
-        address = route_source_address(host)
-        if address and not _is_loopback(address):
-            logger.info("rendezvous store on %s (the route toward %s)", address, host)
-            return address
+        routed = route_source_address(host)
+        if routed and not _is_loopback(routed):
+            logger.info("rendezvous store on %s (the route toward %s)", routed, host)
+            return routed
     raise LaunchError(
         f"cannot find an address of this machine that {', '.join(remote_hosts)} can reach (no route); "
         "give --network-interfaces with an interface or address of this machine"

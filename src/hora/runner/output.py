@@ -26,7 +26,8 @@ import re
 import selectors
 import sys
 import threading
-from typing import BinaryIO, Callable, TextIO
+from collections.abc import Callable
+from typing import BinaryIO, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +205,10 @@ class OutputRouter:
         return {stream.kind: stream.done for stream in streams}
 
     def _wake(self) -> None:
+        wake_w = self._wake_w
+        assert wake_w is not None, "called only while the reader runs"
         try:
-            os.write(self._wake_w, b"x")  # type: ignore[arg-type]
+            os.write(wake_w, b"x")
         except (BlockingIOError, OSError):
             pass  # a full wake pipe already wakes the reader
 
@@ -234,7 +237,8 @@ class OutputRouter:
                         selector.register(stream.fd, selectors.EVENT_READ, stream)
                     self._new.clear()
                     if self._open == 0:
-                        os.close(self._wake_w)  # type: ignore[arg-type]
+                        if self._wake_w is not None:  # set while this reader runs
+                            os.close(self._wake_w)
                         self._reader = self._wake_w = None
                         return
                 for key, _events in selector.select():
@@ -249,7 +253,7 @@ class OutputRouter:
                     if not self._read(stream):
                         selector.unregister(stream.fd)
                         self._finish(stream)
-        except BaseException:  # noqa: BLE001 - never leave join() waiting on a dead reader
+        except BaseException:  # never leave join() waiting on a dead reader
             logger.exception("worker output reader failed")
             with self._state:
                 self._open = 0

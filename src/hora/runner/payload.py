@@ -12,7 +12,8 @@ it back when the worker unpickles it; the worker reads the line from that file w
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import cloudpickle
 

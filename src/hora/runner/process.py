@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 

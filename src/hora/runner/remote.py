@@ -29,9 +29,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import IO
 
 from hora import config
 from hora.runner import remote_bootstrap
@@ -93,7 +94,8 @@ def remote_command(host: str, rank: int, target: RemoteTarget) -> str:
     pythons = " ".join(q(p) for p in dict.fromkeys([target.python, "python3"]))
     tag = f"hora-worker job={q(target.job_id)} rank={int(rank)}"
     return (
-        f"cd {q(target.cwd)} || {{ echo {q(f'hora: cannot change to directory {target.cwd} on {host}')} >&2; exit 126; }}; "
+        f"cd {q(target.cwd)} || "
+        f"{{ echo {q(f'hora: cannot change to directory {target.cwd} on {host}')} >&2; exit 126; }}; "
         f"for hora_py in {pythons}; do "
         f"if command -v \"$hora_py\" >/dev/null 2>&1; then exec \"$hora_py\" -I -c {q(LOADER)} {tag}; fi; "
         f"done; echo {q(f'hora: no Python interpreter ({target.python} or python3) on {host}')} >&2; exit 127"
@@ -148,11 +150,16 @@ class RemoteWorker:
     def describe(self) -> str:
         return f"ssh {self.host} (pid {self.pid})"
 
+    @property
+    def _stdin(self) -> IO[bytes]:
+        stdin = self.proc.stdin
+        assert stdin is not None  # spawned with stdin=PIPE
+        return stdin
+
     def _start_feed(self) -> None:
         """Send the wrapper and payload: at once when the pipe takes it all (the usual case, tens of
         KiB), else from a thread, so a 64-rank SSH job does not cost 64 writer threads."""
-        stdin = self.proc.stdin
-        fd = stdin.fileno()
+        fd = self._stdin.fileno()
         os.set_blocking(fd, False)
         sent = 0
         try:
@@ -169,7 +176,7 @@ class RemoteWorker:
             self._feeder.start()
 
     def _feed(self, sent: int) -> None:
-        stdin = self.proc.stdin
+        stdin = self._stdin
         try:
             stdin.write(self._stdin_data[sent:])
             stdin.flush()
@@ -181,7 +188,7 @@ class RemoteWorker:
 
     def _close_channel(self) -> None:
         try:
-            self.proc.stdin.close()
+            self._stdin.close()
         except (BrokenPipeError, OSError, ValueError):
             pass
 

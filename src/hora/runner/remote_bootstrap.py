@@ -154,9 +154,9 @@ def _exit_code(status: int) -> int:
     return 1
 
 
-def _children_of(pid: int) -> list:
+def _children_of(pid: int) -> list[int]:
     """Live processes whose parent is ``pid`` (descendants reparented to this subreaper)."""
-    found = []
+    found: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -185,8 +185,8 @@ class Wrapper:
         self.grace = float(payload.get("kill_grace", 5.0))
         self.stdin_closed = threading.Event()
         self.signalled = None  # set from a signal handler: a plain attribute, no locks
-        self.worker_pid = None
-        self.worker_code = None
+        self.worker_pid: int | None = None
+        self.worker_code: int | None = None
         self.prctl = _prctl()
 
     # -- reporting --
@@ -232,6 +232,7 @@ class Wrapper:
 
     def _group_alive(self) -> bool:
         self._reap()
+        assert self.worker_pid is not None  # asked only once the worker has started
         try:
             os.killpg(self.worker_pid, 0)
         except ProcessLookupError:
@@ -241,6 +242,7 @@ class Wrapper:
         return True
 
     def _signal_all(self, signum: int) -> None:
+        assert self.worker_pid is not None  # sent only once the worker has started
         try:
             os.killpg(self.worker_pid, signum)
         except (ProcessLookupError, PermissionError):

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any, Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from hora import config
 from hora.errors import ConfigError
@@ -41,8 +42,8 @@ class UnsupportedOption(UsageError):
     """A Horovod option that asks for something hora does not have yet."""
 
 
-def _number(kind: Callable[[str], Any], minimum: float, strict: bool, what: str) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
+def _number(kind: Callable[[Any], Any], minimum: float, strict: bool, what: str) -> Callable[[Any], Any]:
+    def convert(text: Any) -> Any:  # a command line's string, or a config file's value
         try:
             value = kind(text)
         except (TypeError, ValueError):

@@ -15,8 +15,8 @@ import os
 import shlex
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hora import config
 from hora.errors import ConfigError, LaunchError
@@ -37,7 +37,7 @@ class SshOptions:
     command: tuple[str, ...] = ("ssh",)
 
     @classmethod
-    def from_config(cls, port: int | None = None, identity_file: str | None = None) -> "SshOptions":
+    def from_config(cls, port: int | None = None, identity_file: str | None = None) -> SshOptions:
         """Options from the ``-p``/``-i`` flags and the ``ssh_*`` knobs; ConfigError if unusable."""
         command = tuple(shlex.split(config.get("ssh_command") or "ssh"))
         if not command:

@@ -49,7 +49,7 @@ def encode_error(exc: BaseException, traceback_text: str) -> bytes:
     try:
         blob = cloudpickle.dumps(exc)
         cloudpickle.loads(blob)  # an exception that pickles but cannot be rebuilt is no use to the launcher
-    except Exception:  # noqa: BLE001 - any failure means "send the repr instead"
+    except Exception:  # any failure means "send the repr instead"
         blob = None
     return cloudpickle.dumps(("error", blob, repr(exc), traceback_text))
 
@@ -73,11 +73,11 @@ def _call(client: RendezvousClient, rank: int, timeout: float) -> tuple[bool, by
         if exc.code in (0, None) and config.get("elastic"):
             return True, None
         return False, encode_error(exc, traceback.format_exc())
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are reported too
+    except BaseException as exc:  # SystemExit and friends are reported too
         return False, encode_error(exc, traceback.format_exc())
     try:
         return True, encode_success(value)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         error = HoraError(
             f"rank {rank}: the function returned {type(value).__name__} value that cannot be "
             f"pickled ({exc}); return something picklable"

@@ -9,8 +9,8 @@ store is and the job secret only from its environment, under both the ``HORA_*``
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from hora import config
 from hora.rendezvous import new_secret
@@ -29,7 +29,7 @@ class JobContext:
     job_id: str
 
     @classmethod
-    def fresh(cls, rendezvous_addr: str, rendezvous_port: int, secret: str | None = None) -> "JobContext":
+    def fresh(cls, rendezvous_addr: str, rendezvous_port: int, secret: str | None = None) -> JobContext:
         """A new job: a fresh secret (unless given) and a fresh uuid job id."""
         return cls(rendezvous_addr, int(rendezvous_port), secret or new_secret(), uuid.uuid4().hex)
 

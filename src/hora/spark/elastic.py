@@ -25,7 +25,8 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TextIO
 
 import cloudpickle
 
@@ -87,7 +88,7 @@ class SparkAgentDiscovery:
 class SparkAgentProcess:
     """A worker running in an agent, as the elastic driver sees it."""
 
-    def __init__(self, launcher: "SparkAgentLauncher", agent: str, number: int, slot: SlotInfo) -> None:
+    def __init__(self, launcher: SparkAgentLauncher, agent: str, number: int, slot: SlotInfo) -> None:
         self.launcher = launcher
         self.agent = agent
         self.number = number
@@ -107,7 +108,7 @@ class SparkAgentProcess:
     def wait(self) -> tuple[int, str | None]:
         try:
             return self._wait()
-        except Exception as exc:  # noqa: BLE001 - the driver must hear of every end
+        except Exception as exc:  # the driver must hear of every end
             logger.debug("hora.spark: waiting for worker %d failed", self.number, exc_info=True)
             return RAISED, f"could not be followed: {type(exc).__name__}: {exc}"
         finally:
@@ -324,7 +325,7 @@ class _AgentJob:
             self.sc.setJobGroup(self.group, f"hora elastic job: {self.count} agent tasks", interruptOnCancel=True)
             rdd = self.sc.parallelize(range(self.count), self.count)
             rdd.mapPartitions(lambda it: agents.serve(context, nics, it)).collect()
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller if it matters
+        except BaseException as exc:  # reported by the caller if it matters
             from hora.spark.runner import _spark_reason
 
             self.error = _spark_reason(exc)
@@ -335,7 +336,7 @@ class _AgentJob:
         if self._thread.is_alive():
             try:
                 self.sc.cancelJobGroup(self.group)
-            except Exception as exc:  # noqa: BLE001 - the context may be stopping
+            except Exception as exc:  # the context may be stopping
                 logger.debug("cancelling the agents' Spark job: %s", exc)
             self._thread.join(timeout=_AGENTS_END_S)
 
@@ -356,7 +357,7 @@ def _results(where: str, outcome: ElasticOutcome, launcher: SparkAgentLauncher) 
         if worker is not None and worker.error_blob is not None:
             try:
                 _raise_worker_error(worker, outcome.size)
-            except BaseException as cause:  # noqa: BLE001 - attached as the cause
+            except BaseException as cause:  # attached as the cause
                 error.__cause__ = cause
             break
     raise error

@@ -24,7 +24,8 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import cloudpickle
 
@@ -107,7 +108,7 @@ def _beat(context: JobContext, agent: str, stop: threading.Event) -> None:
             while not stop.is_set():
                 client.set(heartbeat_key(agent), str(time.time()).encode())
                 stop.wait(HEARTBEAT_S)
-    except Exception:  # noqa: BLE001 - the driver is gone: the agent's loop ends on its own
+    except Exception:  # the driver is gone: the agent's loop ends on its own
         return
 
 
@@ -135,11 +136,11 @@ def _run_worker(client: RendezvousClient, number: int, env: dict[str, str], nics
             if exc.code in (0, None):
                 return _encoded(None, left=True)
             return _encoded(encode_error(exc, traceback.format_exc()))
-        except BaseException as exc:  # noqa: BLE001 - reported to the driver, never fatal to Spark's worker
+        except BaseException as exc:  # reported to the driver, never fatal to Spark's worker
             return _encoded(encode_error(exc, traceback.format_exc()))
         try:
             return _encoded(encode_success(value))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _encoded(encode_error(TypeError(f"the function returned a {type(value).__name__} that cannot "
                                                    f"be pickled ({exc})"), traceback.format_exc()))
     finally:

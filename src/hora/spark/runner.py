@@ -24,8 +24,9 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, TextIO
 
 import cloudpickle
 
@@ -58,7 +59,7 @@ def task_slots(sc: Any) -> int:
     try:
         jsc = sc._jsc.sc()
         return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
-    except Exception:  # noqa: BLE001 - an older Spark: its default parallelism says the same
+    except Exception:  # an older Spark: its default parallelism says the same
         return int(sc.defaultParallelism)
 
 
@@ -115,7 +116,7 @@ def _log(verbose: int, message: str, *values: Any) -> None:
 def _pickled(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bytes:
     try:
         return dumps_call(fn, args, kwargs)
-    except Exception as exc:  # noqa: BLE001 - said before anything starts
+    except Exception as exc:  # said before anything starts
         raise ConfigError(f"hora.spark.run: the function or its arguments cannot be sent to the tasks: "
                           f"{type(exc).__name__}: {exc}") from exc
 
@@ -165,7 +166,7 @@ class _SparkJob:
             self.sc.setJobGroup(self.group, f"hora job of {self.num_proc} tasks", interruptOnCancel=True)
             rdd = self.sc.parallelize(range(self.num_proc), self.num_proc)
             self._outcome = rdd.barrier().mapPartitions(lambda it: run_task(spec, it)).collect()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as exc:  # handed to the caller's thread
             self._error = exc
         finally:
             self._done.set()
@@ -199,7 +200,7 @@ class _SparkJob:
     def _cancel(self) -> None:
         try:
             self.sc.cancelJobGroup(self.group)
-        except Exception as exc:  # noqa: BLE001 - the context may be stopping
+        except Exception as exc:  # the context may be stopping
             logger.debug("cancelling the Spark job: %s", exc)
         self._done.wait(_CANCEL_GRACE_S)
 
@@ -225,7 +226,7 @@ def _first_cause(failed: list[int], decoded: dict[int, tuple]) -> int:
         blob = decoded[rank][1]
         try:
             exc = cloudpickle.loads(blob) if blob is not None else None
-        except Exception:  # noqa: BLE001 - it is reported as text then
+        except Exception:  # it is reported as text then
             exc = None
         if not isinstance(exc, HorovodInternalError):
             return rank

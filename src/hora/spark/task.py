@@ -22,15 +22,16 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import cloudpickle
 
 from hora import config
 from hora.rendezvous import RendezvousClient
-from hora.runner.remote_bootstrap import resolve_listen_address
 from hora.runner.hosts import Host, SlotInfo, assign_slots
+from hora.runner.remote_bootstrap import resolve_listen_address
 from hora.runner.task import encode_error, encode_success
 from hora.runner.worker_env import JobContext, worker_environment
 
@@ -91,7 +92,7 @@ class ToDriver(io.TextIOBase):
     as a worker process's output goes to ``hora run`` (not also to the executor's own log, which in
     local mode is the driver's terminal too)."""
 
-    def __init__(self, name: str, shipper: "OutputShipper") -> None:
+    def __init__(self, name: str, shipper: OutputShipper) -> None:
         self._name = name
         self._shipper = shipper
 
@@ -132,7 +133,7 @@ class OutputShipper:
             sequence, self._sequence = self._sequence, self._sequence + 1
         try:
             self._client.set(output_key(self._rank, sequence), json.dumps(pending).encode())
-        except Exception:  # noqa: BLE001 - output is best effort; the result still travels by Spark
+        except Exception:  # output is best effort; the result still travels by Spark
             pass
 
     def close(self) -> None:
@@ -146,8 +147,8 @@ def shipped_output(client: RendezvousClient, label: int) -> Iterator[None]:
     """While the block runs, ``sys.stdout``/``sys.stderr`` go to the driver under ``label``."""
     saved = sys.stdout, sys.stderr
     shipper = OutputShipper(client, label)
-    sys.stdout = ToDriver("stdout", shipper)  # type: ignore[assignment]
-    sys.stderr = ToDriver("stderr", shipper)  # type: ignore[assignment]
+    sys.stdout = ToDriver("stdout", shipper)
+    sys.stderr = ToDriver("stderr", shipper)
     try:
         yield
     finally:
@@ -197,11 +198,11 @@ def _run_function(client: RendezvousClient, spec: TaskSpec, slot: SlotInfo) -> b
             fn, args, kwargs = cloudpickle.loads(client.get(FUNC_KEY, timeout=spec.start_timeout))
             with output:
                 value = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit included: it must not end Spark's worker
+        except BaseException as exc:  # SystemExit included: it must not end Spark's worker
             return encode_error(exc, traceback.format_exc())
         try:
             return encode_success(value)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return encode_error(TypeError(f"rank {slot.rank}: the function returned a {type(value).__name__} "
                                           f"that cannot be pickled ({exc}); return something picklable"),
                                 traceback.format_exc())
@@ -218,5 +219,5 @@ def forget_hora() -> None:
     if basics is not None:
         try:
             basics.reset()
-        except Exception:  # noqa: BLE001 - the process is reused by Spark: never fail here
+        except Exception:  # the process is reused by Spark: never fail here
             pass

@@ -8,7 +8,7 @@ stays. Collectives work eagerly, inside ``tf.function`` and in TensorFlow 1 grap
 
 from __future__ import annotations
 
-from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
+from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.common_api import __all__ as _common
 from hora.compression import Compression
 from hora.tensorflow.functions import (
@@ -50,4 +50,4 @@ __all__ = list(_common) + [
     "local_size_op", "process_set_included_op", "rank_op", "reducescatter", "size_op",
 ]
 
-from hora.tensorflow import elastic  # noqa: E402,F401 - hvd.elastic.run, as after `import horovod.tensorflow as hvd`
+from hora.tensorflow import elastic as elastic  # hvd.elastic.run, as after `import horovod.tensorflow as hvd`

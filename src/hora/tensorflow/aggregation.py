@@ -20,7 +20,8 @@ only on the k-th pass.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -66,7 +67,7 @@ class V1GradientAggregator:
                 scope = f"{self.name}_aggregation"
                 counter = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, collections=local,
                                                 name=f"{scope}/counter")
-                accumulators = []
+                accumulators: list[Any] = []  # None for a None gradient
                 for i, (g, v) in enumerate(zip(grads, variables)):
                     if g is None:
                         accumulators.append(None)

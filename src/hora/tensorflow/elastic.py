@@ -20,7 +20,8 @@ targets TensorFlow 2 eager execution.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import tensorflow as tf
 

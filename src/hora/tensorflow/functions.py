@@ -3,7 +3,8 @@ TensorFlow 1 graphs, with ``BroadcastGlobalVariablesHook``) and Python objects."
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 

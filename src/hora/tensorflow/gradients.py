@@ -10,7 +10,8 @@ keeps the ranks in step inside ``tf.function`` (see :mod:`hora.tensorflow.tensor
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -82,7 +83,7 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
     all_names = list(names) + [f"{names[bucket[0]]}.bucket{len(bucket)}" for bucket in plan]
     units = len(loose) + len(plan)
 
-    def body(*arrays):
+    def body(*arrays: Any) -> list[Any]:
         dense_arrays: list[Any] = [None] * (count + len(plan))
         sparse: list[Any] = [None] * count
         for k, i in enumerate(loose):
@@ -169,10 +170,10 @@ class ReducesGradients:
         self._hora_local.add(_source_key(source))
 
     def _hora_reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None) -> list[Any]:
-        aligned = sources is not None and len(sources) == len(grads)
-        is_local = [_source_key(s) in self._hora_local for s in sources] if aligned and self._hora_local else []
-        return batched.reduce_keeping_local(self._hora_allreducer, grads, sources if aligned else None, is_local,
-                                            self._hora_local_scale)
+        aligned = sources if sources is not None and len(sources) == len(grads) else None
+        is_local = ([_source_key(s) in self._hora_local for s in aligned]
+                    if aligned is not None and self._hora_local else [])
+        return batched.reduce_keeping_local(self._hora_allreducer, grads, aligned, is_local, self._hora_local_scale)
 
 
 class _DistributedGradientTape(ReducesGradients):
@@ -219,8 +220,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         # wrapping twice would average twice: rewrap the plain tape's class
         base = next(c for c in base.__mro__ if issubclass(c, tf.GradientTape)
                     and not issubclass(c, _DistributedGradientTape))
-    cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
+    cls: type[object] = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
+    wrapped: Any = cls.__new__(cls)
     wrapped.__dict__.update(gradtape.__dict__)
     wrapped._hora_bind(allreducer, getattr(gradtape, "_hora_local", ()), scale_local_gradients, process_set)
     return wrapped

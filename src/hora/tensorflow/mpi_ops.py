@@ -16,7 +16,8 @@ named when the graph is built instead, from its name scope (see
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf

@@ -77,7 +77,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         return keras_wrapper.wrap(
             optimizer, False, GradientAllreducer, name=name, device_dense=device_dense, device_sparse=device_sparse,
             compression=compression, sparse_as_dense=sparse_as_dense,
-            gradient_predivide_factor=gradient_predivide_factor, op=op, backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=gradient_predivide_factor, op=op,
+            backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
             scale_local_gradients=scale_local_gradients)
     if keras_wrapper.uses_tf_keras() and not isinstance(optimizer, tf.compat.v1.train.Optimizer):
@@ -100,8 +101,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
             raise ValueError("op=Adasum with a tf.compat.v1 optimizer takes backward_passes_per_step=1 in hora "
                              "(accumulate gradients yourself before apply_gradients)")
         from hora.tensorflow.adasum_optimizer import _DistributedAdasumV1Optimizer as mixin
-    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
+    cls: type[object] = type(base.__name__, (mixin, base), {"__module__": base.__module__})
+    wrapped: Any = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hora_bind(GradientAllreducer(prefix, device_dense, device_sparse, compression, sparse_as_dense, op,
                                           gradient_predivide_factor, groups, process_set),

@@ -22,7 +22,8 @@ thread of its own and frees the executor's thread, and every ready collective ge
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -31,8 +32,8 @@ from tensorflow.core.framework import attr_value_pb2
 from hora.errors import CollectivePreconditionError, HoraError
 from hora.tensorflow.error_types import HoraFailedPreconditionError
 
-SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.uint16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64,
-             tf.bool)
+SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.uint16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
+             tf.float64, tf.bool)
 
 ShapeLike = Any  # tf.TensorShape, a list with None for unknown dimensions, or None (unknown rank)
 

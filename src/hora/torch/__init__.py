@@ -3,43 +3,43 @@
 
 from __future__ import annotations
 
-from hora.common_api import *  # noqa: F401,F403 - lifecycle, topology, reduce ops, process sets, errors
-from hora.torch.compression import Compression
+from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.torch import elastic as elastic  # hvd.elastic.run, as after `import horovod.torch as hvd`
+from hora.torch.compression import Compression as Compression
 from hora.torch.functions import (
-    allgather_object,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
+    allgather_object as allgather_object,
+    broadcast_object as broadcast_object,
+    broadcast_optimizer_state as broadcast_optimizer_state,
+    broadcast_parameters as broadcast_parameters,
 )
 from hora.torch.mpi_ops import (
-    allgather,
-    allgather_async,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    join,
-    poll,
-    reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
-    synchronize,
+    allgather as allgather,
+    allgather_async as allgather_async,
+    allreduce as allreduce,
+    allreduce_ as allreduce_,
+    allreduce_async as allreduce_async,
+    allreduce_async_ as allreduce_async_,
+    alltoall as alltoall,
+    alltoall_async as alltoall_async,
+    barrier as barrier,
+    broadcast as broadcast,
+    broadcast_ as broadcast_,
+    broadcast_async as broadcast_async,
+    broadcast_async_ as broadcast_async_,
+    grouped_allgather as grouped_allgather,
+    grouped_allgather_async as grouped_allgather_async,
+    grouped_allreduce as grouped_allreduce,
+    grouped_allreduce_ as grouped_allreduce_,
+    grouped_allreduce_async as grouped_allreduce_async,
+    grouped_allreduce_async_ as grouped_allreduce_async_,
+    grouped_reducescatter as grouped_reducescatter,
+    grouped_reducescatter_async as grouped_reducescatter_async,
+    join as join,
+    poll as poll,
+    reducescatter as reducescatter,
+    reducescatter_async as reducescatter_async,
+    sparse_allreduce_async as sparse_allreduce_async,
+    synchronize as synchronize,
 )
-from hora.torch.optimizer import DistributedOptimizer
-from hora.torch.sync_batch_norm import SyncBatchNorm
-from hora.torch import elastic  # noqa: E402,F401 - hvd.elastic.run, as after `import horovod.torch as hvd`
+from hora.torch.optimizer import DistributedOptimizer as DistributedOptimizer
+from hora.torch.sync_batch_norm import SyncBatchNorm as SyncBatchNorm

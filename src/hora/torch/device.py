@@ -33,7 +33,9 @@ def cuda_request(kind: Kind, tensor: torch.Tensor, name: str | None, process_set
 
     def allocate(shape: tuple[int, ...]) -> tuple[torch.Tensor, DeviceBuffer]:
         out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        return out, buffer_of(out, stream)
+        out_buffer = buffer_of(out, stream)
+        assert out_buffer is not None  # the input's dtype, which buffer_of took below
+        return out, out_buffer
 
     buffer = buffer_of(source, stream)
     if buffer is None:  # a dtype NCCL has no type for: the host path

@@ -10,7 +10,8 @@ where the committed state left it, re-sharded over the new world.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -207,7 +208,9 @@ class TorchState(ObjectState):
         self._handlers: list[_Handler] = []
         for name, value in handled.items():
             setattr(self, name, value)
-            self._handlers.append(_handler_type(value)(self, name))
+            handler_type = _handler_type(value)
+            assert handler_type is not None  # what ``handled`` holds has one
+            self._handlers.append(handler_type(self, name))
         super().__init__(bcast_object=broadcast_object, get_rank=basics.rank, **plain)
 
     def save(self) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
 
     ``params`` is a ``state_dict()``, ``model.named_parameters()``, or a list of tensors.
     """
+    items: list[Any]
     if isinstance(params, Mapping):
         items = list(params.items())
     else:

@@ -7,15 +7,16 @@ forms are differentiable; ``_async`` forms return a handle; a trailing ``_`` wor
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, Sum, global_process_set
-from hora.handles import ConvertingHandle
 from hora.engine.request import Kind
+from hora.handles import ConvertingHandle
 from hora.torch.compression import Compression
 from hora.torch.device import cuda_request
 from hora.torch.tensors import as_array, check_dtype, from_array, shares_memory
@@ -61,9 +62,10 @@ def _grouped_allreduce_cuda(tensors: Sequence[torch.Tensor], name: str | None, p
     base, names = collectives.group_names(name, len(tensors), "allreduce", process_set)
     requests = [cuda_request(Kind.ALLREDUCE, t, n, process_set, inplace, group=base, group_size=len(tensors),
                              **fields) for t, n in zip(tensors, names)]
-    if any(r is None for r in requests):
+    device_requests = [r for r in requests if r is not None]
+    if len(device_requests) < len(requests):
         return None
-    return TorchHandle(collectives.submit_requests(requests), _same)
+    return TorchHandle(collectives.submit_requests(device_requests), _same)
 
 
 def _broadcast_cuda(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +33,13 @@ class _Pending:
         self.finish = finish
 
 
-class _DistributedOptimizer:
+if TYPE_CHECKING:  # the class is mixed in before the wrapped optimizer's own (see DistributedOptimizer)
+    from torch.optim import Optimizer as _OptimizerBase
+else:
+    _OptimizerBase = object
+
+
+class _DistributedOptimizer(_OptimizerBase):
     """Mixed in before the wrapped optimizer's own class (see :func:`DistributedOptimizer`).
 
     Its methods reach the wrapped class with ``super()``, which follows the instance's MRO: a class
@@ -174,11 +181,11 @@ class _DistributedOptimizer:
         grad = self._dense_grad(p)
         name = self._names[p]
         if grad.is_sparse:
-            handle = mpi_ops.sparse_allreduce_async(grad, name, self._op, self._process_set)
+            sparse_handle = mpi_ops.sparse_allreduce_async(grad, name, self._op, self._process_set)
 
             def finish_sparse(result, p=p):
                 p.grad = result
-            self._pending[p] = _Pending(handle, finish_sparse)
+            self._pending[p] = _Pending(sparse_handle, finish_sparse)
             return
         compressed, ctx = self._compression.compress(grad)
         r = self._reduction
@@ -379,9 +386,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     mixin = _DistributedOptimizer
     if reduction.op == Adasum:  # Horovod's Adasum optimizer: the deltas of a local step are reduced
         from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer as mixin
-    cls = type(base.__name__, (mixin, base),
-               {"__module__": base.__module__, "__qualname__": base.__qualname__})
-    wrapped = cls.__new__(cls)
+    cls: type[object] = type(base.__name__, (mixin, base),
+                             {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    wrapped: Any = cls.__new__(cls)
     # Leave behind instance attributes that would shadow the wrapper's methods: an LR scheduler built
     # on the plain optimizer replaces its ``step`` with a bound wrapper that would skip the allreduce.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()

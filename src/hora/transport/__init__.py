@@ -11,20 +11,20 @@ job secret.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
+from hora.rendezvous.client import RendezvousClient
+from hora.transport import hierarchical, mpi, shm
 from hora.transport.base import (
     SUPPORTED_DTYPES,
     Communicator,
     ReduceOp,
     TransportUnavailable,
 )
-from hora.transport import hierarchical, mpi, shm
 from hora.transport.hierarchical import HierarchicalCommunicator
 from hora.transport.mpi import MpiCommunicator
 from hora.transport.shm import ShmCommunicator
 from hora.transport.tcp import TcpCommunicator
-from hora.rendezvous.client import RendezvousClient
 
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {
     "tcp": TcpCommunicator,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -196,13 +197,14 @@ class Communicator(abc.ABC):
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's small picklable object, in rank order, on every rank."""
-        return self.broadcast_object(self.gather_object(obj, 0), 0)
+        gathered: list[Any] = self.broadcast_object(self.gather_object(obj, 0), 0)
+        return gathered
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release sockets and threads; later calls raise."""
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class CollectiveGuard:
         self._me = members[rank]
         self._cut = cut
 
-    def __call__(self, what: str, reduces: np.dtype | None = None) -> "CollectiveScope":
+    def __call__(self, what: str, reduces: np.dtype | None = None) -> CollectiveScope:
         """The scope of one collective named ``what``.
 
         ``reduces`` is the dtype the collective computes on, if any: floating-point overflow to inf
@@ -104,12 +105,12 @@ class CollectiveGuard:
 
     def fail(self, what: str, reason: str, failed_rank: int | None) -> NoReturn:
         """Record the failure for the other ranks, cut every connection, raise with the root cause."""
-        mine = {"detected_by": self._me, "failed_rank": failed_rank, "reason": reason}
+        mine: dict[str, Any] = {"detected_by": self._me, "failed_rank": failed_rank, "reason": reason}
         root = mine
         try:
             won = self._store.set_if_absent(f"{self._scope}/abort", json.dumps(mine).encode())
             root = json.loads(won)
-        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
+        except Exception:  # the store may be gone with the launcher
             pass
         self._cut()
         if root is mine or root.get("detected_by") == self._me:
@@ -136,7 +137,7 @@ class CollectiveGuard:
                 if len(reports) >= len(self._members) - 1 or time.monotonic() >= deadline:
                     return silent[0] if len(silent) == 1 else suspect
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
+        except Exception:  # the store may be gone with the launcher
             return suspect
 
 
@@ -165,7 +166,7 @@ class CollectiveScope:
             guard.lock.release()
             raise
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> Literal[False]:
         guard = self._guard
         try:
             if self._errstate is not None:

@@ -16,7 +16,8 @@ Everything that is not an allreduce goes through the flat (global) TCP communica
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ class HierarchicalCommunicator(Communicator):
         secret: str | bytes,
         machine: str | None = None,
         topology: Topology | None = None,
-    ) -> "HierarchicalCommunicator":
+    ) -> HierarchicalCommunicator:
         """Build the three layers for member index ``rank`` (collective over ``members``).
 
         ``topology`` is where members run, if already known (world formation has it); otherwise it
@@ -129,7 +130,8 @@ class HierarchicalCommunicator(Communicator):
         flat = buf.reshape(-1)
         local, cross = self.local, self.cross
         if local.size == 1:  # then this rank is its host's lane 0, and the job spans hosts
-            cross.allreduce(flat, op)  # type: ignore[union-attr]
+            assert cross is not None  # a lane 0 of a job that spans hosts has its cross-host ring
+            cross.allreduce(flat, op)
             return
         offsets = split_offsets(flat.size, self.lanes)
         counts = [offsets[i + 1] - offsets[i] for i in range(self.lanes)] + [0] * (local.size - self.lanes)

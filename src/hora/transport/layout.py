@@ -6,7 +6,7 @@ arguments; any rank that calls them with the same numbers gets the same cuts.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -31,4 +31,4 @@ def count_offsets(counts: Sequence[int]) -> list[int]:
 
 def bytes_of(arr: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (bfloat16 included), for socket and copy calls."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data

@@ -28,7 +28,8 @@ import subprocess
 import sys
 import time
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -58,7 +59,7 @@ _GOODBYE = b"\x01"  # the one byte a lifeline ever carries: sent by close()
 def _mpi() -> Any:
     try:
         from mpi4py import MPI
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a missing MPI library
+    except Exception as exc:  # ImportError, or a missing MPI library
         raise TransportUnavailable(f"the mpi transport needs mpi4py and an MPI library: {exc}") from None
     return MPI
 
@@ -90,7 +91,7 @@ def unavailable_reason(timeout: float = _PROBE_TIMEOUT_S) -> str | None:
         if exc.name == "mpi4py":
             return f"mpi4py is not installed: {_INSTALL}"
         return f"mpi4py does not import ({exc}): {_REINSTALL}"
-    except Exception as exc:  # noqa: BLE001 - whatever a broken install raises is the reason to show
+    except Exception as exc:  # whatever a broken install raises is the reason to show
         return f"mpi4py does not import ({exc}): {_REINSTALL}"
     # The child finds the same mpi4py even when this process found it through a sys.path entry of its own.
     where = [str(path) for path in getattr(mpi4py, "__path__", [])][:1]
@@ -195,7 +196,11 @@ class MpiCommunicator(MemberCommunicator):
         socks = [s for _, s in lines]
         deadline = time.monotonic() + self.timeout
         while not request.Test():
-            readable = select.select(socks, [], [], _POLL_S)[0] if socks else time.sleep(_POLL_S) or []
+            if socks:
+                readable = select.select(socks, [], [], _POLL_S)[0]
+            else:
+                time.sleep(_POLL_S)
+                readable = []
             for index, sock in lines:
                 if sock not in readable:
                     continue

@@ -6,7 +6,7 @@ for the bulk of the work and a transport's network threads keep running while a 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,7 +34,7 @@ _BOOLEAN = {
 }
 
 
-_CHOSEN: dict[tuple, Callable[..., np.ndarray]] = {}
+_CHOSEN: dict[tuple[object, ...], Callable[..., np.ndarray]] = {}
 
 
 def reduction_ufunc(op: ReduceOp, dtype: np.dtype) -> Callable[..., np.ndarray]:

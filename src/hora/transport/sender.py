@@ -23,7 +23,7 @@ class AsyncSender:
     """Sends ``(socket, memoryview)`` items in FIFO order on one thread."""
 
     def __init__(self, name: str = "hora-sender") -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[socket.socket, memoryview] | _Fence | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self._queued = False  # anything sent since the last flush? (a fence costs a thread handoff)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -66,5 +66,5 @@ class AsyncSender:
             sock, view = item
             try:
                 sock.sendall(view)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            except BaseException as exc:  # handed to the caller's thread
                 self.error = exc

@@ -22,7 +22,8 @@ import os
 import pickle
 import struct
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -45,6 +46,9 @@ from hora.transport.shm_segment import SHM_DIR, SMALL_BYTES, Segment
 from hora.transport.tcp import TcpCommunicator
 from hora.transport.tcp_mesh import local_machine_id
 from hora.transport.timer_slack import fine_timer_slack
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ class ShmCommunicator(MemberCommunicator):
         self._segments: list[Segment] = []
         #: Views into the small-message slots, made once: (parity, bytes, dtype) -> every rank's slot as an
         #: array; ("object", member, parity) -> one slot as a memoryview.
-        self._slot_views: dict[tuple, Any] = {}
+        self._slot_views: dict[tuple[object, ...], Any] = {}
         # Same scope as this communicator: a failure seen on either is one record for every rank.
         self._mesh = TcpCommunicator(rank, members, store, scope, secret, timeout=timeout, listen_host=listen_host)
         self._members = [int(m) for m in members]
@@ -188,8 +192,9 @@ class ShmCommunicator(MemberCommunicator):
         want = min(self._max_bytes, max(nbytes, 2 * (self._own.capacity if self._segments else 0)))
         self._generation += 1
         prefix = f"{self._scope}/shm/{self._generation}"
+        mine: Segment | None
         try:
-            mine: Segment | None = Segment.create(f"hora-{os.getpid()}", want)
+            mine = Segment.create(f"hora-{os.getpid()}", want)
             entry = f"{mine.path}:{mine.capacity}"
         except OSError as exc:  # /dev/shm full or missing: say so to the peers, who then agree to chunk
             logger.warning("rank %d: cannot create a %d-byte shared-memory segment (%s)", self.global_rank, want, exc)
@@ -208,7 +213,8 @@ class ShmCommunicator(MemberCommunicator):
                 if not self._segments:
                     raise TransportUnavailable("shared memory is unavailable on this host (/dev/shm)")
                 return False
-            segments = []
+            assert mine is not None  # else this rank's own entry is "unavailable"
+            segments: list[Segment] = []
             try:
                 for i, text in enumerate(entries):
                     path, cap = text.rsplit(":", 1)
@@ -317,7 +323,7 @@ class ShmCommunicator(MemberCommunicator):
         self._arrive(offset)
         self._wait_all()
 
-    def _peer_view(self, member: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+    def _peer_view(self, member: int, nbytes: int, dtype: DTypeLike) -> np.ndarray:
         segment = self._segments[member]
         offset = int(segment.ctrl[_OFFSET])
         return segment.data[offset : offset + nbytes].view(dtype)
@@ -359,9 +365,11 @@ class ShmCommunicator(MemberCommunicator):
         self._check_open("allreduce")
         check_buffer(src)
         check_op(op, src.dtype)
-        if dst is not src and (check_buffer(dst) or dst.dtype != src.dtype or dst.size != src.size):
-            raise ValueError(f"rank {self.global_rank}: allreduce output must match the input "
-                             f"({dst.dtype}[{dst.size}] vs {src.dtype}[{src.size}])")
+        if dst is not src:
+            check_buffer(dst)
+            if dst.dtype != src.dtype or dst.size != src.size:
+                raise ValueError(f"rank {self.global_rank}: allreduce output must match the input "
+                                 f"({dst.dtype}[{dst.size}] vs {src.dtype}[{src.size}])")
         sflat, dflat = src.reshape(-1), dst.reshape(-1)
         if self.size == 1 or sflat.size == 0:
             if dflat is not sflat and not np.shares_memory(dflat, sflat):
@@ -406,7 +414,8 @@ class ShmCommunicator(MemberCommunicator):
         ring, slot_len = _PIPELINE_RING, piece * n
         span = ring * slot_len if wraps else src.size
         own = self._own.data[: span * itemsize].view(src.dtype)
-        peers = [None if m == me else seg.data[: span * itemsize].view(src.dtype)
+        # peers[me] is never read (this rank's own share is in ``own`` and ``src``).
+        peers = [own if m == me else seg.data[: span * itemsize].view(src.dtype)
                  for m, seg in enumerate(self._segments)]
 
         def at(k: int, m: int, lo: int, hi: int) -> slice:  # where chunk k's piece of rank m's share lies
@@ -602,7 +611,7 @@ class ShmCommunicator(MemberCommunicator):
         key = ("object", member, parity)
         view = self._slot_views.get(key)
         if view is None:  # made once per mapping (remapping clears the views)
-            view = self._slot_views[key] = memoryview(self._segments[member].small[parity])
+            view = self._slot_views[key] = self._segments[member].small[parity].data
         return view
 
     def _post_object(self, payload: bytes | BaseException | None) -> int:
@@ -633,11 +642,12 @@ class ShmCommunicator(MemberCommunicator):
     def _pickled(obj: Any) -> bytes | BaseException:
         try:
             return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank after the synchronisation
+        except Exception as exc:  # reported to every rank after the synchronisation
             return exc
 
     def _posted_length(self, member: int, parity: int) -> int:
-        return _LENGTH.unpack_from(self._object_slot(member, parity), 0)[0]
+        length: int = _LENGTH.unpack_from(self._object_slot(member, parity), 0)[0]
+        return length
 
     def _read_object(self, member: int, parity: int, length: int) -> Any:
         return pickle.loads(self._object_slot(member, parity)[_OBJECT_HEADER : _OBJECT_HEADER + length])

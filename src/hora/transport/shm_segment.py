@@ -52,13 +52,13 @@ class Segment:
         self._base = self.data.ctypes.data  # the mapping never moves: look its address up once
 
     @classmethod
-    def create(cls, prefix: str, nbytes: int) -> "Segment":
+    def create(cls, prefix: str, nbytes: int) -> Segment:
         nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         path = os.path.join(SHM_DIR, f"{prefix}-{secrets.token_hex(8)}")
         return cls(path, nbytes, create=True)
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> "Segment":
+    def attach(cls, path: str, nbytes: int) -> Segment:
         return cls(path, nbytes, create=False)
 
     def unlink(self) -> None:
@@ -78,8 +78,8 @@ class Segment:
         return array.ctypes.data - self._base
 
     def close(self) -> None:
-        self.ctrl = None  # type: ignore[assignment]
-        self.data = None  # type: ignore[assignment]
+        self.ctrl = None  # type: ignore[assignment]  # closed: drop the views; a closed segment is never read
+        self.data = None  # type: ignore[assignment]  # as ctrl
         self.small = []
         try:
             self._map.close()

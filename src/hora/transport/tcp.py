@@ -23,7 +23,8 @@ import logging
 import pickle
 import socket
 import struct
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Any, cast
 
 from hora.errors import AuthenticationError, PeerFailureError, RendezvousError, TransportError
 from hora.rendezvous.auth import authenticate_as_client, authenticate_as_server
@@ -46,7 +47,8 @@ def route_address(host: str, port: int) -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((host, port or 9))
-        return probe.getsockname()[0]
+        address: str = probe.getsockname()[0]
+        return address
     except OSError:
         return "127.0.0.1"
     finally:
@@ -172,7 +174,8 @@ def connect_mesh(
         try:
             peer_rank, peer_digest = _server_handshake(conn, secret)
         except (AuthenticationError, RendezvousError, OSError) as exc:
-            logger.warning("rank %d refused a peer connection from %s: %s", members[rank], addr or "a local socket", exc)
+            logger.warning("rank %d refused a peer connection from %s: %s", members[rank],
+                           addr or "a local socket", exc)
             conn.close()
             return
         with lock:
@@ -194,7 +197,7 @@ def connect_mesh(
             while not stop.is_set() and not all_accepted.is_set():
                 for key, _ in selector.select(timeout=0.1):
                     try:
-                        conn, addr = key.fileobj.accept()
+                        conn, addr = cast(socket.socket, key.fileobj).accept()  # listeners alone
                     except (BlockingIOError, OSError):
                         continue
                     conn.setblocking(True)
@@ -233,7 +236,7 @@ def connect_mesh(
     return peers
 
 
-def _dial(address: dict, my_machine: str, deadline: float, peer: int) -> socket.socket:
+def _dial(address: dict[str, Any], my_machine: str, deadline: float, peer: int) -> socket.socket:
     if address.get("unix") and my_machine and address.get("machine") == my_machine:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -369,7 +372,7 @@ class LazyMesh:
                     break
                 try:
                     record = self._store.try_get(abort_key)
-                except Exception:  # noqa: BLE001 - the store may be gone with the launcher
+                except Exception:  # the store may be gone with the launcher
                     record = None
                 if record is not None:
                     root = json.loads(record)
@@ -410,7 +413,7 @@ class LazyMesh:
                     return  # listeners closed
                 for key, _ in events:
                     try:
-                        conn, addr = key.fileobj.accept()
+                        conn, addr = cast(socket.socket, key.fileobj).accept()  # listeners alone
                     except (BlockingIOError, OSError):
                         continue
                     conn.setblocking(True)

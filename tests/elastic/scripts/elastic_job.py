@@ -15,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from job_env import clean_env
 
@@ -167,7 +168,7 @@ class ElasticJob:
         self.ended = time.monotonic()
         return self.proc.returncode
 
-    def __enter__(self) -> "ElasticJob":
+    def __enter__(self) -> ElasticJob:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -26,10 +26,10 @@ import os
 import sys
 
 import numpy as np
+from worker_common import first_to_claim, log
 
 import hora
 import hora.elastic
-from worker_common import first_to_claim, log
 
 STATE = os.environ.get("ELASTIC_STATE", "object")
 FAULT = os.environ.get("FAULT", "none")

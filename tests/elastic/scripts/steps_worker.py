@@ -22,10 +22,10 @@ import sys
 import time
 
 import numpy as np
+from worker_common import first_to_claim, log
 
 import hora
 import hora.elastic
-from worker_common import first_to_claim, log
 
 STOP_FILE = os.environ["STOP_FILE"]
 DEADLINE = time.monotonic() + float(os.environ.get("MAX_SECONDS", "90"))

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -425,7 +426,7 @@ class ParquetShardReader:
     def _row_chunks(self) -> Iterator[dict[str, np.ndarray]]:
         epoch = 0
         while True:
-            chunks = (self._read(unit) for unit in self.units_for_epoch(epoch))
+            chunks: Iterator[dict[str, np.ndarray]] = (self._read(unit) for unit in self.units_for_epoch(epoch))
             if self.shuffle and self.shuffle_buffer_size > 1:
                 rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
                 chunks = _shuffle_buffer(chunks, self.shuffle_buffer_size, rng)

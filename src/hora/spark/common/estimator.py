@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 from pyspark.ml import Estimator, Model
@@ -45,11 +46,11 @@ class HoraEstimator(Estimator, EstimatorParams):
         """Framework checks (a model, an optimizer, a loss...), before any data is written."""
         raise NotImplementedError
 
-    def _training_function(self, job: "TrainingJob") -> Callable[[], Any]:
+    def _training_function(self, job: TrainingJob) -> Callable[[], Any]:
         """What every task runs: trains on its share and returns, on rank 0, ``(history, model)``."""
         raise NotImplementedError
 
-    def _model(self, trained: Any, history: dict, job: "TrainingJob") -> Model:
+    def _model(self, trained: Any, history: dict, job: TrainingJob) -> Model:
         raise NotImplementedError
 
     def _fit(self, df: Any) -> Model:
@@ -176,7 +177,7 @@ class _ModelWriter(MLWriter):
         super().__init__()
         self.instance = instance
 
-    def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's naming
+    def saveImpl(self, path: str) -> None:  # Spark ML's naming
         params = {name: self.instance.getOrDefault(getattr(self.instance, name)) for name in _JSON_PARAMS}
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sc, paramMap=params)
         blob = cloudpickle.dumps(self.instance._payload())

@@ -35,7 +35,8 @@ class EstimatorParams(Params):
     batch_size = _param("batch_size", "rows per batch, per process", TypeConverters.toInt)
     val_batch_size = _param("val_batch_size", "rows per validation batch, per process (default: batch_size)")
     epochs = _param("epochs", "epochs to train", TypeConverters.toInt)
-    train_steps_per_epoch = _param("train_steps_per_epoch", "batches per epoch (default: rows / (batch_size x num_proc))")
+    train_steps_per_epoch = _param("train_steps_per_epoch",
+                                   "batches per epoch (default: rows / (batch_size x num_proc))")
     validation_steps_per_epoch = _param("validation_steps_per_epoch", "validation batches per epoch")
     callbacks = _param("callbacks", "training callbacks (framework specific)")
     store = _param("store", "where the training data, checkpoints and logs go (hora.spark.common.store.Store)")
@@ -78,11 +79,11 @@ class ModelParams(Params):
         self._setDefault(history=None, model=None, feature_columns=None, label_columns=None, output_cols=None,
                          run_id=None, input_shapes=None)
 
-    def getHistory(self) -> Any:  # noqa: N802 - Spark ML's naming
+    def getHistory(self) -> Any:  # Spark ML's naming
         """Per-epoch metrics: ``{"loss": [...], "val_loss": [...], <metric>: [...], ...}``."""
         return self.getOrDefault(self.history)
 
-    def getOutputCols(self) -> list[str]:  # noqa: N802
+    def getOutputCols(self) -> list[str]:
         cols = self.getOrDefault(self.output_cols)
         return list(cols) if cols else [f"{label}__output" for label in self.getOrDefault(self.label_columns)]
 

@@ -29,8 +29,9 @@ import os
 import posixpath
 import tempfile
 import uuid
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from hora.errors import ConfigError
@@ -51,7 +52,7 @@ class Store:
     """
 
     @staticmethod
-    def create(prefix_path: str, *args: Any, **kwargs: Any) -> "Store":
+    def create(prefix_path: str, *args: Any, **kwargs: Any) -> Store:
         """The store for ``prefix_path``: HDFS for ``hdfs://``, Databricks' DBFS for ``dbfs:/`` and
         ``/dbfs/``, the local filesystem for a plain path or ``file://`` (Horovod's dispatch)."""
         if not isinstance(prefix_path, str) or not prefix_path:
@@ -108,6 +109,14 @@ class Store:
     def write(self, path: str, data: bytes) -> None:
         raise NotImplementedError
 
+    def write_text(self, path: str, text: str) -> None:
+        self.write(path, text.encode("utf-8"))
+
+    @property
+    def filesystem(self) -> Any:
+        """The ``pyarrow.fs.FileSystem`` the store's localized paths belong to."""
+        raise NotImplementedError
+
     def new_dataset_index(self) -> str:
         raise NotImplementedError
 
@@ -131,7 +140,7 @@ class Store:
             sync=self.sync_fn(run_id),
         )
 
-    def get_local_output_dir_fn(self, run_id: str) -> Callable[[], ContextManager[str]]:
+    def get_local_output_dir_fn(self, run_id: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
         raise NotImplementedError
 
     def sync_fn(self, run_id: str) -> Callable[[str], None]:
@@ -298,9 +307,6 @@ class FilesystemStore(Store):
                 self.filesystem.delete_file(partial)
             raise
 
-    def write_text(self, path: str, text: str) -> None:
-        self.write(path, text.encode("utf-8"))
-
     def delete(self, path: str) -> None:
         """Remove a file or a directory tree; nothing happens when it is not there."""
         from pyarrow import fs as pafs
@@ -326,7 +332,7 @@ class FilesystemStore(Store):
 
     # -- run output ----------------------------------------------------------------------------
 
-    def get_local_output_dir_fn(self, run_id: str) -> Callable[[], ContextManager[str]]:
+    def get_local_output_dir_fn(self, run_id: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
         """A context manager giving a local scratch directory for the run's output (Horovod's API:
         frameworks write checkpoints there, then :meth:`sync_fn` copies them into the store)."""
         @contextlib.contextmanager

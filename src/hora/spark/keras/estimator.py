@@ -30,7 +30,8 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -80,7 +81,7 @@ def _live_model(blob: bytes, custom_objects: Mapping[str, Any] | None) -> Any:
     its loss and metrics can be rebuilt here; otherwise uncompiled, with a warning saying why."""
     try:
         return _model_from_bytes(blob, custom_objects, compile=True)
-    except Exception as exc:  # noqa: BLE001 - a custom loss or metric missing from custom_objects
+    except Exception as exc:  # a custom loss or metric missing from custom_objects
         logger.warning("KerasModel: the model's compile settings could not be restored (%s: %s); it is returned "
                        "uncompiled (pass its custom losses and metrics in custom_objects to keep them)",
                        type(exc).__name__, exc)
@@ -106,7 +107,7 @@ def _encode(value: Any, what: str) -> tuple[str, Any]:
             config = keras.saving.serialize_keras_object(value)
             json.dumps(config)
             return ("keras", config)
-        except Exception as exc:  # noqa: BLE001 - a custom class without a usable get_config
+        except Exception as exc:  # a custom class without a usable get_config
             if isinstance(value, keras.metrics.Metric):
                 raise ConfigError(f"KerasEstimator: {what} {type(value).__name__} cannot be serialized by Keras "
                                   f"({exc}); give the class a get_config(), or pass the metric by name") from None
@@ -114,7 +115,7 @@ def _encode(value: Any, what: str) -> tuple[str, Any]:
     if callable(value):
         try:
             return ("pickle", cloudpickle.dumps(value))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ConfigError(f"KerasEstimator: {what} {value!r} cannot be pickled ({exc})") from None
     raise ConfigError(f"KerasEstimator: {what} must be a name, a Keras object or a function, "
                       f"got {type(value).__name__}")
@@ -156,7 +157,7 @@ def _limit_threads() -> None:
         context = TaskContext.get()
         if context is not None:
             threads = max(1, int(context.cpus()))
-    except Exception:  # noqa: BLE001 - outside a Spark task, or an old PySpark
+    except Exception:  # outside a Spark task, or an old PySpark
         pass
     for setter in (tf.config.threading.set_inter_op_parallelism_threads,
                    tf.config.threading.set_intra_op_parallelism_threads):
@@ -188,7 +189,7 @@ def _array(values: Any, dtype: str | None, shape: Sequence[Any] | None) -> np.nd
     (floats and booleans as float32 where the model does not say)."""
     array = np.asarray(values)
     if array.dtype == object:  # Arrow lists in transform arrive as an array of arrays
-        array = np.stack(array) if len(array) else array.astype(np.float64)
+        array = np.stack(list(array)) if len(array) else array.astype(np.float64)
     if shape is not None:
         array = array.reshape(_batch_shape(shape))
     if dtype is not None:
@@ -275,7 +276,7 @@ class KerasEstimator(HoraEstimator):
         callback that cannot travel fails before the DataFrame is written or a task starts."""
         self._spec = self._build_spec()
 
-    def _build_spec(self) -> "_KerasSpec":
+    def _build_spec(self) -> _KerasSpec:
         import keras
 
         model = self.getOrDefault(self.model)
@@ -314,7 +315,7 @@ class KerasEstimator(HoraEstimator):
                                   f"{type(callback).__name__}")
         try:
             callbacks_blob = cloudpickle.dumps(callbacks)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ConfigError(f"KerasEstimator: the callbacks cannot be sent to the tasks ({exc}); build them "
                               "without references to models or tensors") from None
         custom = self.getOrDefault(self.custom_objects) or {}
@@ -323,17 +324,17 @@ class KerasEstimator(HoraEstimator):
                               f"got {type(custom).__name__}")
         try:
             custom_blob = cloudpickle.dumps(dict(custom))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ConfigError(f"KerasEstimator: custom_objects cannot be pickled ({exc})") from None
         try:
             model_bytes = _model_to_bytes(model)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ConfigError(f"KerasEstimator: Keras cannot save the model ({type(exc).__name__}: {exc}); a "
                               "subclassed model needs get_config() (or register it and pass custom_objects)") from None
         try:
             optimizer_config = keras.optimizers.serialize(optimizer)
             json.dumps(optimizer_config)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ConfigError(f"KerasEstimator: Keras cannot serialize the optimizer {type(optimizer).__name__} "
                               f"({exc})") from None
         return _KerasSpec(model_bytes=model_bytes, optimizer_config=optimizer_config, loss=_encode(loss, "loss"),
@@ -347,7 +348,7 @@ class KerasEstimator(HoraEstimator):
         self._spec = None  # one fit's bytes are not kept on the estimator
         return _Trainer(job, spec)
 
-    def _model(self, trained: Any, history: dict, job: TrainingJob) -> "KerasModel":
+    def _model(self, trained: Any, history: dict, job: TrainingJob) -> KerasModel:
         custom = dict(self.getOrDefault(self.custom_objects) or {})
         return KerasModel(history=history, model=_live_model(trained, custom), feature_columns=job.feature_cols,
                           label_columns=job.label_cols, run_id=job.run_id, input_shapes=job.input_shapes,
@@ -495,7 +496,7 @@ class KerasModel(HoraModel):
         self._setDefault(custom_objects=None)
         self._set(**kwargs)
 
-    def getModel(self) -> Any:  # noqa: N802 - Spark ML's naming
+    def getModel(self) -> Any:  # Spark ML's naming
         """The trained ``keras.Model``, live in this process (compiled as trained where possible)."""
         return self.getOrDefault(self.model)
 
@@ -619,8 +620,9 @@ def _output_widths(model: Any, df: Any, features: Sequence[str], shapes: Any,
         declared = [_width(tensor.shape) for tensor in (model.outputs or [])]
     except (AttributeError, ValueError):
         declared = []
-    if declared and all(width is not None for width in declared):
-        return [int(width) for width in declared]
+    known = [int(width) for width in declared if width is not None]
+    if declared and len(known) == len(declared):
+        return known
     row = df.select(*features).limit(1).collect()
     if not row:
         return [0]

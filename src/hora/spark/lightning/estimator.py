@@ -25,7 +25,8 @@ from __future__ import annotations
 import io
 import logging
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import cloudpickle
 import lightning
@@ -35,8 +36,7 @@ import torch
 from hora.errors import ConfigError
 from hora.spark.common.estimator import HoraEstimator, TrainingJob
 from hora.spark.common.params import _param, install_accessors
-from hora.spark.torch.estimator import TorchModel as _TorchModel
-from hora.spark.torch.estimator import _tensors
+from hora.spark.torch.estimator import TorchModel as _TorchModel, _tensors
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class TorchEstimator(HoraEstimator):
                               list(self.getOrDefault(self.callbacks) or []),
                               dict(self.getOrDefault(self.trainer_args) or {}))
 
-    def _model(self, trained: Any, history: dict, job: TrainingJob) -> "TorchModel":
+    def _model(self, trained: Any, history: dict, job: TrainingJob) -> TorchModel:
         return TorchModel(history=history, model=trained, feature_columns=job.feature_cols,
                           label_columns=job.label_cols, run_id=job.run_id, input_shapes=job.input_shapes)
 

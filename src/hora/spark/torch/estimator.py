@@ -19,7 +19,8 @@ from __future__ import annotations
 import io
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -86,7 +87,7 @@ class TorchEstimator(HoraEstimator):
         )
         return _Trainer(job, spec)
 
-    def _model(self, trained: Any, history: dict, job: TrainingJob) -> "TorchModel":
+    def _model(self, trained: Any, history: dict, job: TrainingJob) -> TorchModel:
         model = TorchModel(history=history, model=trained, feature_columns=job.feature_cols,
                            label_columns=job.label_cols, run_id=job.run_id, input_shapes=job.input_shapes)
         return model
@@ -155,7 +156,8 @@ class _Trainer:
         columns = job.feature_cols + job.label_cols + ([job.sample_weight_col] if job.sample_weight_col else [])
         seed = job.seed if job.seed is not None else 0
         train = iter(ParquetShardReader(info.train_path, job.store.filesystem, hvd.rank(), hvd.size(), columns,
-                                        job.batch_size, shuffle_buffer_size=job.shuffle_buffer_size or 4 * job.batch_size,
+                                        job.batch_size,
+                                        shuffle_buffer_size=job.shuffle_buffer_size or 4 * job.batch_size,
                                         seed=seed, shuffle=job.shuffle))
         train_steps = job.train_steps_per_epoch or steps_per_epoch(info.train_rows, job.batch_size, hvd.size())
         val = None
@@ -237,7 +239,7 @@ class TorchModel(HoraModel):
         super().__init__()
         self._set(**kwargs)
 
-    def getModel(self) -> Any:  # noqa: N802 - Spark ML's naming
+    def getModel(self) -> Any:  # Spark ML's naming
         return self.getOrDefault(self.model)
 
     def _transform(self, df: Any) -> Any:
@@ -281,8 +283,10 @@ class TorchModel(HoraModel):
                 extra = []
                 for value, width in zip(results, widths):
                     array = value.detach().cpu().numpy().astype(np.float64)
-                    extra.append(pa.array(list(array.reshape(len(array), -1))) if width else pa.array(array.reshape(-1)))
-                yield pa.RecordBatch.from_arrays(list(batch.columns) + extra, schema=_arrow_schema(batch, outputs, widths))
+                    extra.append(pa.array(list(array.reshape(len(array), -1))) if width
+                                 else pa.array(array.reshape(-1)))
+                yield pa.RecordBatch.from_arrays(list(batch.columns) + extra,
+                                                 schema=_arrow_schema(batch, outputs, widths))
 
         return prepared.mapInArrow(predict, schema)
 

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from hora.keras import *  # noqa: F401,F403
-from hora.keras import __all__  # noqa: F401
-from hora.tensorflow.keras import callbacks, elastic  # noqa: F401 - hvd.callbacks, hvd.elastic, as in Horovod
+from hora.keras import *  # noqa: F403 - re-exported: hora.keras's API (its __all__), the same objects
+from hora.keras import __all__ as __all__
+from hora.tensorflow.keras import callbacks as callbacks, elastic as elastic  # hvd.callbacks, as in Horovod

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from hora.keras.callbacks import (  # noqa: F401
-    BestModelCheckpoint,
-    BroadcastGlobalVariablesCallback,
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-    MetricAverageCallback,
-    broadcast_model_state,
+from hora.keras.callbacks import (
+    BestModelCheckpoint as BestModelCheckpoint,
+    BroadcastGlobalVariablesCallback as BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback as LearningRateScheduleCallback,
+    LearningRateWarmupCallback as LearningRateWarmupCallback,
+    MetricAverageCallback as MetricAverageCallback,
+    broadcast_model_state as broadcast_model_state,
 )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from hora.keras.elastic import (  # noqa: F401
-    CommitStateCallback,
-    KerasState,
-    UpdateBatchStateCallback,
-    UpdateEpochStateCallback,
-    run,
+from hora.keras.elastic import (
+    CommitStateCallback as CommitStateCallback,
+    KerasState as KerasState,
+    UpdateBatchStateCallback as UpdateBatchStateCallback,
+    UpdateEpochStateCallback as UpdateEpochStateCallback,
+    __all__ as __all__,
+    run as run,
 )
-from hora.keras.elastic import __all__  # noqa: F401
