@@ -107,9 +107,9 @@ SLOW_MODULES = frozenset({
 
 
 #: Each folder's wall time in a serial full run (seconds, 2 cores, 2026-11-27), for the order below.
-#: ``scripts/test`` runs the suite on two pytest-xdist workers with one work unit per folder
-#: (``--dist loadgroup``): a folder's modules share jobs, Spark sessions and Ray clusters, so they must
-#: stay in one process, in their order. Handing the folders out longest first (the classic LPT rule)
+#: ``HORA_TEST_WORKERS=N scripts/test`` runs the suite on N pytest-xdist workers with one work unit per
+#: folder (``--dist loadgroup``): a folder's modules share jobs, Spark sessions and Ray clusters, so
+#: they must stay in one process, in their order. Handing the folders out longest first (the classic LPT rule)
 #: keeps one worker from being left with a long folder at the end. A folder missing here (a new one)
 #: goes last; the figures only order the run, so they need not be exact.
 FOLDER_SECONDS = {

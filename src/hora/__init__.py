@@ -44,8 +44,7 @@ from hora.errors import (
     HorovodInternalError as HorovodInternalError,
     HostsUpdatedInterrupt as HostsUpdatedInterrupt,
 )
-
-__version__ = "0.1.0"
+from hora.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from hora.runner.api import run as run

@@ -2,8 +2,11 @@
 
 Each knob has a name, the ``HORA_*`` environment variable that sets it, the ``HOROVOD_*`` alias a
 migrating user already exports, a default, a parser and a one-line doc. This module is the only place
-in hora that reads ``os.environ``: everything else asks :func:`get` (or :func:`load` for a snapshot),
-so a knob is documented, parsed and validated exactly once.
+in hora that reads hora's variables (``HORA_*`` and their ``HOROVOD_*`` aliases) from ``os.environ``:
+everything else asks :func:`get` (or :func:`load` for a snapshot), so a knob is documented, parsed and
+validated exactly once (tests/runtime/test_config_is_the_only_reader.py checks it). Other programs'
+variables (``KUBERNETES_SERVICE_HOST``, ``JAVA_HOME``, ``TF_USE_LEGACY_KERAS``...) are read where they
+are used, and a launcher copies the whole environment for its workers through :func:`environ_copy`.
 """
 
 from __future__ import annotations
@@ -176,6 +179,19 @@ KNOBS: tuple[Knob, ...] = (
          "HOROVOD_SPARK_START_TIMEOUT; the start_timeout argument wins)."),
     Knob("elastic_discovery_timeout", 10.0, _parse_pos_float,
          "Seconds a host discovery script may run before it is killed and the poll counts as failed.",
+         horovod_alias=False),
+    # Programs and libraries hora starts or loads.
+    Knob("mpirun", None, _parse_str, "The mpirun that hora run --mpi starts (default: mpirun on PATH).",
+         horovod_alias=False),
+    Knob("nccl_library", None, _parse_str,
+         "Path of the libnccl to load (a site build, say) before the NVIDIA wheel's and the system's.",
+         horovod_alias=False),
+    Knob("cudart_library", None, _parse_str,
+         "Path of the CUDA runtime library to load before the NVIDIA wheel's and the system's.",
+         horovod_alias=False),
+    # Deployment.
+    Knob("cluster_domain", "cluster.local", _parse_str,
+         "The Kubernetes cluster domain in which `hora discover k8s` resolves the job's pods.",
          horovod_alias=False),
 )
 

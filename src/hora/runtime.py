@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -27,7 +27,7 @@ from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
 from hora.errors import ConfigError, HoraError
-from hora.mpi import bootstrap as mpi_bootstrap, state as mpi_state
+from hora.mpi import bootstrap as mpi_bootstrap, launcher_env, state as mpi_state
 from hora.nccl.context import DeviceContext
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
@@ -94,6 +94,27 @@ class Runtime:
 
 
 _T = TypeVar("_T")
+
+
+def identity_for_init(environ: Mapping[str, str] | None = None) -> identity.WorkerIdentity | None:
+    """The identity ``init()`` joins its job with; None for a script started on its own.
+
+    A script started without a launcher forms a private size-1 job. One started by another launcher
+    (mpirun, mpiexec, srun) joins that launcher's job: its rank comes from the launcher's variables
+    and rank 0 serves the store (:mod:`hora.mpi.bootstrap`), or a clear error says why the ranks
+    cannot find each other. A partial identity (``HORA_SIZE=4`` but no rendezvous address, a
+    missing secret...) is refused with the names of the missing variables.
+    """
+    if not config.is_set("rendezvous_addr", environ) and not config.is_set("rank", environ):
+        launched = launcher_env.detect(environ)
+        if launched is not None:
+            return mpi_bootstrap.identity_from_launcher(launched)
+    if not config.is_set("rendezvous_addr", environ):
+        if config.get("size", environ) not in (None, 1):
+            raise HoraError(f"{config.knob('size').env} is set but {config.knob('rendezvous_addr').env} "
+                            "is not: start workers with `hora run`")
+        return None
+    return identity.from_environment(environ)
 
 
 def _quietly(what: str, func: Callable[..., _T], *args: object) -> _T | None:
@@ -211,7 +232,7 @@ def assemble(comm: Sequence[int] | Any | None, previous: Joined | None) -> Runti
         me: identity.WorkerIdentity | None = mpi_bootstrap.identity_from_comm(comm)  # its ranks are the world
         comm = None
     else:
-        me = identity.for_init()
+        me = identity_for_init()
     mpi_state.mark_in_use(False)
     server: RendezvousServer | None = None
     store: RendezvousClient | None = None

@@ -20,6 +20,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from hora import config
 from hora.errors import ConfigError, LaunchError
 from hora.runner.hosts import Host
 
@@ -32,7 +33,7 @@ _FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNB
 
 def mpirun_path() -> str:
     """The ``mpirun`` to start (``HORA_MPIRUN`` overrides the one on PATH)."""
-    found = os.environ.get("HORA_MPIRUN") or shutil.which("mpirun")
+    found = config.get("mpirun") or shutil.which("mpirun")
     if not found:
         raise LaunchError("hora run --mpi needs mpirun on PATH (Open MPI: apt-get install openmpi-bin; "
                           "or MPICH), or HORA_MPIRUN naming it")

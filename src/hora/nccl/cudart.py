@@ -16,6 +16,7 @@ from typing import Protocol
 from hora.errors import HoraError
 from hora.nccl import loader
 
+LIBRARY_KNOB = "cudart_library"  # the config knob HORA_CUDART_LIBRARY sets
 LIBRARY_ENV = "HORA_CUDART_LIBRARY"
 # cudaMemcpyKind
 DEVICE_TO_HOST = 2
@@ -47,7 +48,7 @@ class CudaApi(Protocol):
 
 
 def candidate_paths() -> list[str]:
-    return loader.candidates(LIBRARY_ENV, "cuda_runtime", ("libcudart.so.12", "libcudart.so"))
+    return loader.candidates(LIBRARY_KNOB, "cuda_runtime", ("libcudart.so.12", "libcudart.so"))
 
 
 @functools.lru_cache(maxsize=1)

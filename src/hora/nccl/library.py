@@ -24,6 +24,7 @@ from hora.transport.base import ReduceOp
 
 #: ``NCCL_UNIQUE_ID_BYTES`` in nccl.h.
 UNIQUE_ID_BYTES = 128
+LIBRARY_KNOB = "nccl_library"  # the config knob HORA_NCCL_LIBRARY sets
 LIBRARY_ENV = "HORA_NCCL_LIBRARY"
 
 
@@ -90,7 +91,7 @@ def nccl_op(op: ReduceOp) -> RedOp:
 
 def candidate_paths() -> list[str]:
     """Where libnccl may be, in the order tried: the env override, the NVIDIA wheel, the system loader."""
-    return loader.candidates(LIBRARY_ENV, "nccl", ("libnccl.so.2",))
+    return loader.candidates(LIBRARY_KNOB, "nccl", ("libnccl.so.2",))
 
 
 @functools.lru_cache(maxsize=1)

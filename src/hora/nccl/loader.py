@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 from pathlib import Path
 
+from hora import config
 
-def candidates(env: str, wheel_part: str, names: tuple[str, ...]) -> list[str]:
-    """Paths to try in order: ``$env``, the NVIDIA wheel's copy, then the system loader's names."""
-    paths = [os.environ[env]] if os.environ.get(env) else []
+
+def candidates(knob: str, wheel_part: str, names: tuple[str, ...]) -> list[str]:
+    """Paths to try in order: the ``knob``'s path (``HORA_<KNOB>``), the NVIDIA wheel's copy, then the
+    system loader's names."""
+    override = config.get(knob)
+    paths = [override] if override else []
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         lib = Path(root) / wheel_part / "lib" / names[0]

@@ -33,6 +33,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hora import config
+
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
@@ -164,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     k8s.add_argument("--service", required=True, help="the headless Service's name (or its full DNS name)")
     k8s.add_argument("--namespace", default=None, help="the Service's namespace (default: this pod's)")
     k8s.add_argument("--slots", type=int, default=1, help="slots per pod (default 1)")
-    k8s.add_argument("--cluster-domain", default=os.environ.get("HORA_CLUSTER_DOMAIN", "cluster.local"))
+    k8s.add_argument("--cluster-domain", default=config.get("cluster_domain"))
     k8s.add_argument("--source", choices=("dns", "api"), default="dns",
                      help="DNS (default) or the Kubernetes API's Endpoints object")
     k8s.add_argument("--addresses", action="store_true", help="print pod addresses instead of names")

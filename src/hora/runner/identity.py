@@ -1,9 +1,10 @@
 """Who this worker is, as the launcher told it through the environment.
 
 This is the one place hora reads a worker's identity (rank, size, local and cross coordinates, host,
-the rendezvous address, the job secret and id): ``init()`` asks :func:`for_init`, the function
-runner (:mod:`hora.runner.task`) and the world helpers ask :func:`from_environment`, and code that
-only needs to know whether it runs inside a job asks :func:`is_worker`. A process not started by
+the rendezvous address, the job secret and id): ``init()`` (through
+:func:`hora.runtime.identity_for_init`, which also knows other launchers), the function runner
+(:mod:`hora.runner.task`) and the world helpers ask :func:`from_environment`, and code that only needs
+to know whether it runs inside a job asks :func:`is_worker`. A process not started by
 ``hora run`` (or :func:`hora.run`) gets one clear error naming every missing variable, instead of a
 KeyError deep inside a connection attempt.
 """
@@ -66,29 +67,6 @@ def is_worker(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process is a worker of a job started by ``hora run`` / :func:`hora.run` (the
     launcher gives every worker its rank)."""
     return config.is_set("rank", environ)
-
-
-def for_init(environ: Mapping[str, str] | None = None) -> WorkerIdentity | None:
-    """The identity ``init()`` joins its job with; None for a script started on its own.
-
-    A script started without a launcher forms a private size-1 job. One started by another launcher
-    (mpirun, mpiexec, srun) joins that launcher's job: its rank comes from the launcher's variables
-    and rank 0 serves the store (:mod:`hora.mpi.bootstrap`), or a clear error says why the ranks
-    cannot find each other. A partial identity (``HORA_SIZE=4`` but no rendezvous address, a
-    missing secret...) is refused with the names of the missing variables.
-    """
-    if not config.is_set("rendezvous_addr", environ) and not config.is_set("rank", environ):
-        launched = launcher_env.detect(environ)
-        if launched is not None:
-            from hora.mpi.bootstrap import identity_from_launcher
-
-            return identity_from_launcher(launched)
-    if not config.is_set("rendezvous_addr", environ):
-        if config.get("size", environ) not in (None, 1):
-            raise HoraError(f"{config.knob('size').env} is set but {config.knob('rendezvous_addr').env} "
-                            "is not: start workers with `hora run`")
-        return None
-    return from_environment(environ)
 
 
 def _check_consistent(identity: WorkerIdentity) -> None:

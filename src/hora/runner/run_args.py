@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 from hora import config
 from hora.errors import ConfigError
 from hora.runner.hosts import Host, default_hosts, parse_hostfile, parse_hosts
+from hora.version import __version__
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
@@ -124,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "accepted: those hora cannot honour yet stop the launch with a line saying why.",
         allow_abbrev=False,
     )
-    from hora import __version__
 
     parser.add_argument("-v", "--version", action="version", version=f"hora {__version__}",
                         help="print hora's version and exit")

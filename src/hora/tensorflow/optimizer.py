@@ -7,6 +7,14 @@ TensorFlow 1 style ``tf.compat.v1.train.Optimizer`` subclasses are wrapped too: 
 ``compute_gradients`` (and so ``minimize``) returns gradients averaged across ranks, or, with
 ``backward_passes_per_step`` > 1, aggregated locally first (:mod:`hora.tensorflow.aggregation`),
 in a TensorFlow 1 graph, inside ``tf.function`` and eagerly.
+
+``DistributedOptimizer(op=Adasum)`` on a ``tf.compat.v1.train`` optimizer is Horovod's Adasum optimizer for
+TensorFlow 1 (in this module, as in Horovod), which reduces weight updates rather than gradients.
+``compute_gradients`` (and so ``minimize``) gives this rank's own gradients; ``apply_gradients`` takes the
+wrapped optimizer's local step, combines every variable's delta (after minus before) across ranks with
+Adasum, and sets the variable to its value before the step plus the combined delta. Variables given to
+``register_local_var`` keep their local step. The reads before and after the step are ordered by control
+dependencies, for graphs; the tests run it eagerly. ``backward_passes_per_step`` > 1 is refused with Adasum.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from hora import basics, horovod_args, keras_wrapper
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.tensorflow.aggregation import V1GradientAggregator
-from hora.tensorflow.gradients import GradientAllreducer, ReducesGradients
+from hora.tensorflow.gradients import GradientAllreducer, ReducesGradients, _source_key
 
 
 class _DistributedV1Optimizer(ReducesGradients):
@@ -54,6 +62,28 @@ class _DistributedV1Optimizer(ReducesGradients):
             lambda: super(_DistributedV1Optimizer, self).apply_gradients(grads_and_vars, global_step=global_step,
                                                                          name=name),
             [g for g, _ in grads_and_vars], global_step)
+
+
+
+class _DistributedAdasumV1Optimizer(_DistributedV1Optimizer):
+    """Mixed in before a ``tf.compat.v1.train.Optimizer`` subclass instead of :class:`_DistributedV1Optimizer`."""
+
+    def compute_gradients(self, *args, **kwargs):
+        """This rank's own (gradient, variable) pairs: with Adasum the deltas are reduced, not these."""
+        return super(_DistributedV1Optimizer, self).compute_gradients(*args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """The local step, then each variable set to its start plus the Adasum of every rank's delta."""
+        pairs = list(grads_and_vars)
+        local_step = super(_DistributedV1Optimizer, self).apply_gradients
+        shared = [v for g, v in pairs if g is not None and _source_key(v) not in self._hora_local]
+        starts = [tf.identity(v.read_value()) for v in shared]
+        with tf.control_dependencies(starts):
+            applied = local_step(pairs, global_step=global_step, name=name)
+        with tf.control_dependencies([applied] if applied is not None else []):
+            deltas = [v.read_value() - s for v, s in zip(shared, starts)]
+        combined = self._hora_allreducer(deltas, shared)
+        return tf.group(*[v.assign(s + d) for v, s, d in zip(shared, starts, combined)])
 
 
 def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False, device_dense: str = "",
@@ -100,7 +130,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         if passes > 1:
             raise ValueError("op=Adasum with a tf.compat.v1 optimizer takes backward_passes_per_step=1 in hora "
                              "(accumulate gradients yourself before apply_gradients)")
-        from hora.tensorflow.adasum_optimizer import _DistributedAdasumV1Optimizer as mixin
+        mixin = _DistributedAdasumV1Optimizer
     cls: type[object] = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     wrapped: Any = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)

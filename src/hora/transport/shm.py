@@ -53,11 +53,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EPOCH, _ABORT, _OFFSET = 0, 1, 2
-#: How many times a wait checks a peer's epoch before it yields (one check is about 0.17 us here).
-#: A yield costs 40-65 us on a busy VM, so when every rank of the group has a core of its own, the
-#: spin adapts between these bounds (doubled when a peer arrives during it, halved when it runs
-#: out): spinning up to ~70 us first cuts a small allreduce's latency by a third or more. When ranks
-#: outnumber cores, a waiting rank's spin holds a core its peer needs: it stays at the minimum.
+#: How many times a wait checks a peer's epoch before it yields. A check is a few hundred times
+#: cheaper than a yield, which gives up the core and pays the scheduler's wake-up, so when every rank
+#: of the group has a core of its own, the spin adapts between these bounds (doubled when a peer
+#: arrives during it, halved when it runs out): spinning first cuts a small allreduce's latency
+#: (measured figures: docs/transports-and-tuning.md). When ranks outnumber cores, a waiting rank's
+#: spin holds a core its peer needs: it stays at the minimum.
 _SPIN_CHECKS_MIN = 50
 _SPIN_CHECKS_MAX = 400
 _YIELD_FOR_S = 0.0002

@@ -1,7 +1,7 @@
 """Precise short sleeps for threads that poll.
 
 Linux rounds a thread's sleeps up by its *timer slack* (50 us by default), so ``time.sleep(0)``,
-which polling loops use to yield the GIL and the CPU, costs about 55 us instead of about 5 us. A
+which polling loops use to yield the GIL and the CPU, costs the slack on top of the sleep itself. A
 shared-memory collective polls its peers' counters; with the default slack every wait that outlasts
 the spin phase costs a full slack period, more than the collective itself. Threads that poll
 lower their own slack once (the setting is per thread and inherited by threads they start).
