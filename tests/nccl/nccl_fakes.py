@@ -31,6 +31,12 @@ class RecordingCuda:
     def event_record(self, event, stream): self.log.append(("event_record", event, stream))
     def stream_wait_event(self, stream, event): self.log.append(("stream_wait_event", stream, event))
     def event_synchronize(self, event): self.log.append(("event_synchronize", event))
+
+    def event_query(self, event):
+        """Recorded work is "done" at once: nothing runs here."""
+        self.log.append(("event_query", event))
+        return True
+
     def malloc(self, nbytes): return self._new(f"malloc:{nbytes}")
     def free(self, ptr): self.log.append(("free", ptr))
     def memcpy_async(self, dst, src, nbytes, kind, stream): self.log.append(("memcpy", dst, src, nbytes, kind, stream))

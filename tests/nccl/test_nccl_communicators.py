@@ -123,3 +123,23 @@ def test_missing_first_member_fails_in_bounded_time_naming_rank_and_set(server):
 def test_a_stranger_without_the_job_secret_cannot_read_the_id(server):
     with pytest.raises(AuthenticationError):
         RendezvousClient(*server.address, new_secret(), connect_timeout=5)
+
+
+class SharedGpu(InitRecorder):
+    """What real NCCL answers when two ranks of one communicator sit on the same GPU (as seen on an
+    H100 with two ranks: ``ncclCommInitRank failed: invalid usage``)."""
+
+    def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int:
+        raise library.NcclError("ncclCommInitRank failed: invalid usage (run with NCCL_DEBUG=WARN for details) "
+                                "(ncclResult_t 5)", library.INVALID_USAGE)
+
+
+def test_two_ranks_on_one_gpu_are_told_the_cause_and_the_ways_out(server):
+    with RendezvousClient(*server.address, server.secret, connect_timeout=10) as store:
+        table = CommunicatorTable(SharedGpu(), store, "round0")
+        with pytest.raises(library.NcclError) as failure:
+            table.get(0, [0], 0)
+    text = str(failure.value)
+    assert text.startswith("rank 0 on ") and "process set 0" in text and "invalid usage" in text
+    assert "two ranks of the set on one GPU" in text and "HORA_NCCL=off" in text
+    assert failure.value.result == library.INVALID_USAGE and len(table) == 0

@@ -53,8 +53,9 @@ def test_numpy_and_jax_through_dlpack():
     buf = dt.describe(a)
     assert buf.ptr == a.ctypes.data and buf.dtype == np.int16 and buf.shape == (2, 3)
     assert dt.device_of(a) == (dt.DL_CPU, 0)
-    jnp = pytest.importorskip("jax.numpy")
-    j = jnp.ones((4,), dtype=jnp.float32)
+    jax = pytest.importorskip("jax")
+    # on the CPU device explicitly: where JAX sees a GPU, that is its default device
+    j = jax.device_put(jax.numpy.ones((4,), dtype=jax.numpy.float32), jax.devices("cpu")[0])
     assert dt.describe(j).shape == (4,) and dt.device_of(j) == (dt.DL_CPU, 0)
 
 

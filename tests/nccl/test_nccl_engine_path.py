@@ -76,6 +76,11 @@ def _job() -> dict:
     for step in range(3):
         again = hora.allreduce(HostCudaArray(_base(r, (4, 3), step)), name="avg")
         out.setdefault("repeat", []).append(again.host.tolist())
+    # a long training: CUDA events are reused, not created anew (and never destroyed) at every step
+    events_before = len(cuda._events)
+    for step in range(20):
+        hora.allreduce(HostCudaArray(_base(r, (4, 3), step)), name="avg")
+    out["new_events_in_20_steps"] = len(cuda._events) - events_before
     # a process set gets its own communicator (one set per rank here: each of size 1)
     sets = [hora.add_process_set([0]), hora.add_process_set([1])]
     out["process_set"] = hora.allreduce(HostCudaArray(_base(r, (3,), 10)), op=hora.Sum, name="ps",
@@ -107,6 +112,11 @@ def _expected(shape, salt, op="sum", scale=1.0):
         return np.minimum(*parts).tolist()
     total = (parts[0] * np.float32(scale)) + (parts[1] * np.float32(scale))
     return (total if op == "sum" else total / 2).tolist()
+
+
+def test_steps_reuse_cuda_events(results):
+    for out in results:
+        assert out["new_events_in_20_steps"] <= 2, out["new_events_in_20_steps"]
 
 
 def test_cpu_job_touches_no_nccl_until_a_cuda_array_arrives(results):

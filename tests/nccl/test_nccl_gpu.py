@@ -8,6 +8,7 @@ two ranks of one communicator on the same device ("Duplicate GPU detected").
 from __future__ import annotations
 
 import pytest
+from nccl_gpu import needs_gpu
 
 from hora.nccl import cudart, library
 from hora.nccl.communicators import DeviceComm
@@ -18,23 +19,7 @@ from hora.transport.base import ReduceOp
 pytestmark = pytest.mark.timeout(120)
 
 
-def _gpu_skip_reason() -> str | None:
-    if not library.nccl_version():
-        return "no GPU test: libnccl is not installed (pip install \"hora[cuda]\")"
-    usable, why = cudart.cuda_status()
-    if not usable:
-        return f"no GPU test: {why}"
-    try:
-        import torch
-    except ImportError:
-        return "no GPU test: torch is not installed"
-    if not torch.cuda.is_available():
-        return "no GPU test: this torch build has no CUDA (torch.cuda.is_available() is False)"
-    return None
-
-
-_REASON = _gpu_skip_reason()
-pytestmark = [pytestmark, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+pytestmark = [pytestmark, needs_gpu]
 
 
 @pytest.fixture(scope="module")

@@ -84,3 +84,20 @@ def test_check_reports_hora_nccl_setting(monkeypatch):
 
 def test_cuda_built_means_the_gpu_path_is_installed():
     assert hora.cuda_built() == (library.nccl_version() > 0 and cudart.runtime_installed())
+
+
+def test_readiness_is_asked_once_per_process(monkeypatch):
+    """Every CUDA tensor's path choice asks whether NCCL is ready: CUDA driver calls each time
+    would sit on every gradient of every step, and the answer does not change."""
+    from hora.nccl import context
+
+    if context._backend_factory is not None:
+        pytest.skip("a test backend is installed in this process")
+    asked = []
+    monkeypatch.setattr(library, "nccl_status", lambda: asked.append(1) or (False, "no GPU here"))
+    context._real_status.cache_clear()
+    try:
+        assert [context.ready() for _ in range(3)] == [(False, "no GPU here")] * 3
+        assert len(asked) == 1
+    finally:
+        context._real_status.cache_clear()

@@ -46,6 +46,9 @@ send_to_process_stderr(logger)
 
 _FLAG_UNCACHED = 1
 _FLAG_SHUTDOWN = 2
+#: This rank's NCCL work failed or stalled: every member stops in the same cycle (rather than wait
+#: out the transport timeout on a rank whose engine stopped).
+_FLAG_DEVICE_FAILED = 4
 #: Bits from _ARRIVAL_SHIFT up of the OR-ed flags word say which members readied cached tensors since
 #: the last cycle: the timeline names the late arrivals of cache-served negotiations from them (for
 #: the first 56 members of a set; name-negotiated rounds name every rank).
@@ -115,6 +118,7 @@ class DeviceContextLike(Protocol):
     def runner(self, set_id: int, members: list[int]) -> Any: ...
     def release(self, set_id: int) -> None: ...
     def close(self, failed: bool = False) -> None: ...
+    def abort(self, reason: str, announce: Callable[[str], None] | None = None) -> str: ...
 
 @dataclass
 class SetState:
@@ -167,6 +171,7 @@ class Engine:
         self._failed = False  # stopped by a failure, not by an agreed shutdown
         self._stop_requested = False
         self._failure: HorovodInternalError | None = None
+        self._device_failure: HorovodInternalError | None = None  # told to peers by _FLAG_DEVICE_FAILED
         self._last_submit = 0.0
         self._idle_cycles = 0
         self._progress = False
@@ -547,12 +552,29 @@ class Engine:
 
     def _stop(self, error: HorovodInternalError, orderly: bool = False) -> None:
         """Stop cycling and fail what is pending. ``orderly``: every rank agreed to shut down (else
-        a failure: a peer may be gone mid-collective, so NCCL communicators are aborted at shutdown)."""
+        a failure: a peer may be gone mid-collective, so NCCL communicators are aborted now)."""
         self._stopped = True
         if not orderly:
             self._failed = True
-        self._fail_all(error)
+            self._abort_device(error)
+        self._fail_all(error)  # (after a device abort: already failed, with its note)
         self._wake.set()  # the engine thread exits
+
+    def _abort_device(self, error: HorovodInternalError) -> None:
+        """Abort the NCCL communicators at once: their kernels wait for a failed peer forever, and so
+        would the framework's next GPU sync. Pending requests fail, with the abort named in the
+        error, before the kernels are released: a thread the abort releases from a GPU sync may
+        submit at once, and must find the engine failed."""
+        if self.device_context is None:
+            return
+
+        def announce(note: str) -> None:
+            self._fail_all(HorovodInternalError(f"{error}; {note}"))
+
+        try:
+            self.device_context.abort(str(error), announce)
+        except Exception as exc:  # the failure stands; what went wrong aborting it is logged
+            logger.warning("rank %d: aborting the NCCL communicators failed: %r", self.global_rank, exc)
 
     def _idle_wait(self) -> float:
         """Seconds an idle engine waits before its next cycle.
@@ -591,7 +613,8 @@ class Engine:
 
     def _has_work(self) -> bool:
         return self._stop_requested or any(
-            not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting for s in self._states
+            not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting or s.executor.device_waiting
+            for s in self._states
         )
 
     def _drain(self, state: SetState, now: float) -> None:
@@ -633,6 +656,7 @@ class Engine:
     def _cycle(self, state: SetState) -> bool:
         """One negotiation cycle of one process set; True when the job is shutting down."""
         now = time.monotonic()
+        self._poll_device(state)
         self._drain(state, now)
         flags = 0
         coordinator_due = (
@@ -644,6 +668,8 @@ class Engine:
             flags |= _FLAG_UNCACHED
         if self._stop_requested:
             flags |= _FLAG_SHUTDOWN
+        if self._device_failure is not None:
+            flags |= _FLAG_DEVICE_FAILED
         if state.arrived:
             state.arrived = False
             if state.comm.rank < _ARRIVAL_MEMBERS:
@@ -656,7 +682,13 @@ class Engine:
             invalid_mask |= 1 << bit
         flags_any, invalid_mask, ready_mask = _exchange_control(
             state.comm, state.cache.words, flags, invalid_mask, ready_mask, state.control)
+        if flags_any & _FLAG_DEVICE_FAILED:
+            raise self._device_failure or HorovodInternalError(
+                f"rank {self.global_rank}: another rank of process set {state.set_id} stopped: its NCCL work "
+                "failed or stalled")
         if flags_any & _FLAG_SHUTDOWN:
+            # Device items a peer has completed complete here too before pending requests fail.
+            state.executor.poll_device(finish=True)
             return True
         state.invalid.clear()
 
@@ -691,6 +723,17 @@ class Engine:
         if flags_any & _FLAG_UNCACHED:
             return self._negotiate(state, now)
         return False
+
+    def _poll_device(self, state: SetState) -> None:
+        """Complete device items the GPU has finished. Device work that cannot finish (its runner
+        has aborted NCCL) is told to the other members in this cycle's exchange, and every member
+        stops there, so none waits out a timeout on one whose engine stopped."""
+        try:
+            if state.executor.poll_device():
+                self._progress = True
+        except HorovodInternalError as exc:
+            if self._device_failure is None:
+                self._device_failure = exc
 
     def _trace_cached_negotiation(self, timeline: Timeline, state: SetState, items: list[Item],
                                   flags_any: int) -> None:

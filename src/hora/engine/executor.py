@@ -53,9 +53,17 @@ class Item:
 
 
 class DeviceRunner(Protocol):
-    """Runs negotiated CUDA items through NCCL (:class:`hora.nccl.dispatch.DeviceExecutor`)."""
+    """Runs negotiated CUDA items through NCCL (:class:`hora.nccl.context.SetRunner`).
+
+    ``run`` may leave items of a framework without a stream incomplete until the GPU has done
+    them; ``poll`` (every cycle) completes those and raises HorovodInternalError for work that
+    cannot finish (a dead or hung peer).
+    """
 
     def run(self, items: list[Item], complete: Callable[[Item, Any], None]) -> None: ...
+    def poll(self, complete: Callable[[Item, Any], None], finish: bool = False) -> int: ...
+    @property
+    def waiting(self) -> bool: ...
 
 
 @dataclass
@@ -203,6 +211,25 @@ class Executor:
                 self._nccl_activity(items, False)
         finally:
             self._settle(items, None)
+
+    @property
+    def device_waiting(self) -> bool:
+        """Whether device items wait for the GPU before they complete (the engine keeps cycling)."""
+        runner = self._device_runner
+        return runner is not None and runner.waiting
+
+    def poll_device(self, finish: bool = False) -> int:
+        """Complete device items whose GPU work has finished since they were run; returns how many.
+        ``finish``: wait (bounded) for all of them first. Raises HorovodInternalError when that work
+        cannot finish."""
+        runner = self._device_runner
+        if runner is None:
+            return 0
+        self._finishing = []
+        try:
+            return runner.poll(self._complete, finish)
+        finally:
+            self._settle([], None)
 
     def _nccl_activity(self, items: list[Item], start: bool) -> None:
         if self.timeline is not None:

@@ -1,11 +1,17 @@
 """jax.Arrays as the engine's NumPy buffers, and the line between the eager path and the jit path.
 
-hora's engine reduces host (NumPy) buffers. Outside ``jax.jit`` a jax.Array on a CPU device is
-read as NumPy (``np.asarray``, no copy for a single-device CPU array) and the result comes back with
-``jnp.asarray``. Arrays that live on an accelerator, or are split over several devices, have no
-single host buffer that is "this rank's tensor": they are refused here, naming the rank and host,
-instead of being copied silently. Inside ``jax.jit`` the operands are tracers; :mod:`hora.jax.mpi_ops`
-then runs the collective in a host callback, to which XLA hands host copies itself.
+hora's engine reduces host (NumPy) buffers, or CUDA buffers through NCCL (:mod:`hora.jax.device`
+decides which for a GPU array). Outside ``jax.jit`` a jax.Array on a CPU device is read as NumPy
+(``np.asarray``, no copy for a single-device CPU array). An array on one accelerator that does not
+take the NCCL path (``HORA_NCCL=off``, NCCL not installed, a dtype NCCL lacks, a TPU) is copied
+through host memory (``jax.device_get``), as hora.torch copies such CUDA tensors. Every result comes
+back where its input lived: on the input's device(s), with its sharding, when the input was placed
+there explicitly (committed) or lives on an accelerator, else on the default device.
+
+An array split over several devices (sharded, not replicated) has no single buffer that is "this
+rank's tensor": it is refused here, naming the rank, host and devices, rather than gathered
+silently. Inside ``jax.jit`` the operands are tracers; :mod:`hora.jax.mpi_ops` then runs the
+collective in a host callback, to which XLA hands host copies itself.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 
 from hora import basics
 
-SUPPORTED_PLATFORMS = frozenset({"cpu"})
+HOST_PLATFORM = "cpu"
 
 
 def is_traced(x: Any) -> bool:
@@ -26,37 +32,49 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _where() -> str:
+def is_concrete(x: Any) -> bool:
+    """Whether ``x`` is a jax.Array with a value (not a tracer): one whose placement matters."""
+    return isinstance(x, jax.Array) and not is_traced(x)
+
+
+def where() -> str:
+    """``rank N on HOST``, for the messages of hora.jax's errors."""
     rank = basics.rank() if basics.is_initialized() else "?"
     return f"rank {rank} on {socket.gethostname()}"
 
 
+def on_accelerator(x: Any) -> bool:
+    """Whether ``x`` is a concrete jax.Array with a buffer outside host memory (GPU, TPU, ...)."""
+    return is_concrete(x) and any(d.platform != HOST_PLATFORM for d in x.sharding.device_set)
+
+
 def check_device(x: Any) -> None:
-    """Refuse a jax.Array that is not one buffer in host memory (see the module docstring)."""
-    if not isinstance(x, jax.Array) or is_traced(x):
+    """Refuse a jax.Array split over several devices (see the module docstring); any other array,
+    on the host or on one accelerator (or replicated), is fine."""
+    if not is_concrete(x):
         return
     devices = x.sharding.device_set
-    platforms = sorted({d.platform for d in devices})
-    if not set(platforms) <= SUPPORTED_PLATFORMS:
-        raise ValueError(
-            f"hora.jax ({_where()}): the array is on {', '.join(platforms)} device(s) {sorted(map(str, devices))}; "
-            f"hora.jax's collectives run on host (CPU) buffers. Move it first with "
-            f"jax.device_put(x, jax.devices('cpu')[0]), or call the collective inside jax.jit, where XLA "
-            f"copies the operand to the host for hora's callback")
     if len(devices) > 1 and not x.is_fully_replicated:
         raise ValueError(
-            f"hora.jax ({_where()}): the array is sharded over {len(devices)} devices ({x.sharding}); "
-            f"a collective needs one buffer per rank. Gather it first (jax.device_get) or pass one shard")
+            f"hora.jax ({where()}): the array is sharded over {len(devices)} devices ({x.sharding}); "
+            f"a collective needs one buffer per rank (hora runs one process per device, as Horovod does). "
+            f"Gather it first (jax.device_get), or pass one shard (x.addressable_shards[i].data)")
 
 
 def host_array(x: Any) -> np.ndarray:
-    """``x`` (a jax.Array, NumPy array or scalar) as a NumPy array, after :func:`check_device`."""
+    """``x`` (a jax.Array, NumPy array or scalar) as a NumPy array, after :func:`check_device`:
+    a view of a CPU array, a copy of an accelerator's (``jax.device_get``)."""
     check_device(x)
+    if on_accelerator(x):
+        return np.asarray(jax.device_get(x))
     return np.asarray(x)
 
 
-def to_jax(array: np.ndarray) -> jax.Array:
-    """A jax.Array holding ``array``, with its dtype (on the default device)."""
+def to_jax(array: np.ndarray, like: Any = None) -> jax.Array:
+    """A jax.Array holding ``array``, with its dtype: where ``like`` (the collective's input) lives
+    when it was placed explicitly or is on an accelerator, else on the default device."""
+    if is_concrete(like) and (like.committed or on_accelerator(like)):
+        return jax.device_put(np.asarray(array, dtype=array.dtype), like.sharding)
     return jax.numpy.asarray(array, dtype=array.dtype)
 
 

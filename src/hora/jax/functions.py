@@ -18,8 +18,9 @@ from hora.jax.arrays import host_array, to_jax
 def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s pytree of arrays (model parameters, an optax state, ...) on every rank.
 
-    All leaves travel as one fused group; non-array leaves (Python numbers, None nodes) are left as they
-    are on each rank (optax states carry none that differ). Outside jit only.
+    All leaves travel as one fused group through host memory (once per job: GPU leaves are copied
+    there and back, each result lands on its leaf's device); non-array leaves (Python numbers, None
+    nodes) are left as they are on each rank (optax states carry none that differ). Outside jit only.
     """
     leaves, tree = jax.tree_util.tree_flatten(params)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -27,7 +28,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSe
     results = batched.broadcast_arrays(arrays, root_rank, process_set) if arrays else []
     out = list(leaves)
     for i, result in zip(positions, results):
-        out[i] = to_jax(result)
+        out[i] = to_jax(result, leaves[i])
     return jax.tree_util.tree_unflatten(tree, out)
 
 

@@ -1,8 +1,12 @@
 """Collectives on jax.Arrays, with Horovod's names, arguments and defaults.
 
-Outside ``jax.jit`` (the normal case) each call reads the array as NumPy, submits it to hora's
-engine through :mod:`hora.collectives` and returns a new jax.Array; ``_async`` forms return a
-handle for :func:`poll` / :func:`synchronize`.
+Outside ``jax.jit`` (the normal case) an array on one CUDA GPU goes to NCCL in place when NCCL can
+carry it (:mod:`hora.jax.device`; ``HORA_NCCL``, as in hora.torch), and the result is a new
+jax.Array on that GPU. Any other array is read as NumPy (a GPU array NCCL cannot take is copied
+through host memory), submitted to hora's engine through :mod:`hora.collectives`, and the result
+comes back where the input lived (:mod:`hora.jax.arrays`). ``_async`` forms return a handle for
+:func:`poll` / :func:`synchronize`; the synchronous forms are the async ones, waited for. A group
+(``grouped_*``, a pytree) goes one way as a whole: on NCCL when every member can, else through the host.
 
 Inside ``jax.jit`` the operands are tracers, so the synchronous forms stage the collective as one
 ``jax.experimental.io_callback(..., ordered=True)``: at run time XLA copies the operands to the host,
@@ -23,11 +27,12 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from hora import basics, collectives
+from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.engine.executor import reducescatter_rows
-from hora.engine.request import Handle
+from hora.engine.request import Handle, Kind, Request
+from hora.jax import device
 from hora.jax.arrays import host_array, is_traced, spec, to_jax
 
 HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
@@ -68,11 +73,12 @@ def _no_tracers(tensors: Sequence[Any], what: str) -> None:
                         f"function); use the synchronous form, which runs as a host callback there")
 
 
+def _any_traced(tensors: Sequence[Any]) -> bool:
+    return any(is_traced(t) for t in tensors)
+
+
 def _run(host_fn: HostFn, tensors: Sequence[Any], out_specs: Callable[[], list[jax.ShapeDtypeStruct]]) -> list:
-    """``host_fn`` on the tensors' NumPy values: directly, or in an ordered host callback under jit."""
-    tensors = list(tensors)
-    if not any(is_traced(t) for t in tensors):
-        return [to_jax(r) for r in host_fn([host_array(t) for t in tensors])]
+    """``host_fn`` on the tensors' NumPy values in an ordered host callback (under jit: some are tracers)."""
     specs = out_specs()
 
     def callback(*arrays: Any) -> tuple:
@@ -103,6 +109,38 @@ def _waiter(async_fn: Callable[..., Handle | list[Handle]]) -> HostFn:
     return host_fn
 
 
+# ---- the device path (jax.Arrays on one CUDA GPU, see hora.jax.device) -----------------------------
+
+def _first(results: list) -> Any:
+    return results[0]
+
+
+def _on_device(requests: Sequence[Request | None], finish: Callable[[list], Any] = _first) -> JaxHandle | None:
+    """The handle of ``requests`` submitted to NCCL, or None (any of them takes the host path: then
+    all do, so that a group stays one unit)."""
+    ready = [r for r in requests if r is not None]
+    if not ready or len(ready) < len(requests):
+        return None
+    return JaxHandle(collectives.submit_requests(ready), finish)
+
+
+def _grouped_on_device(kind: Kind, tensors: Sequence[Any], name: str | None, process_set: ProcessSet,
+                       **fields: Any) -> JaxHandle | None:
+    """A grouped collective on NCCL when every member is a CUDA array NCCL can carry, else None."""
+    if not tensors or not all(device.is_cuda(t) for t in tensors):
+        return None
+    base, names = collectives.group_names(name, len(tensors), kind.value.lower(), process_set)
+    requests = [device.cuda_request(kind, t, n, process_set, group=base, group_size=len(tensors), **fields)
+                for t, n in zip(tensors, names)]
+    return _on_device(requests, list)
+
+
+def _host_results(tensors: Sequence[Any]) -> Callable[[list], list]:
+    """Results of a host-path group back as jax.Arrays, each where its input lived."""
+    likes = list(tensors)
+    return lambda results: [to_jax(r, t) for r, t in zip(results, likes)]
+
+
 # ---- allreduce ----------------------------------------------------------------------------------
 
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None, compression=Compression.none,
@@ -113,9 +151,14 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     leaves, tree = jax.tree_util.tree_flatten(tensor)
     if tree.num_leaves == 1 and tree.num_nodes == 1:
         sent, ctxs = _compressed(leaves, compression)
-        host_fn = _waiter(lambda a: collectives.allreduce_async(a[0], average, name, op, prescale_factor,
-                                                                postscale_factor, process_set))
-        return _decompressed(_run(host_fn, sent, lambda: [spec(sent[0])]), ctxs, compression)[0]
+        if not is_traced(sent[0]):
+            out = [synchronize(allreduce_async(sent[0], average, name, op, prescale_factor, postscale_factor,
+                                               process_set))]
+        else:
+            host_fn = _waiter(lambda a: collectives.allreduce_async(a[0], average, name, op, prescale_factor,
+                                                                    postscale_factor, process_set))
+            out = _run(host_fn, sent, lambda: [spec(sent[0])])
+        return _decompressed(out, ctxs, compression)[0]
     out = grouped_allreduce(leaves, average, name, compression, op, prescale_factor, postscale_factor, process_set)
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -125,9 +168,14 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
                     process_set: ProcessSet = global_process_set) -> JaxHandle:
     """Start reducing ``tensor``; :func:`synchronize` returns a new jax.Array (outside jit only)."""
     _no_tracers([tensor], "allreduce_async")
-    handle = collectives.allreduce_async(host_array(tensor), average, name, op, prescale_factor, postscale_factor,
-                                         process_set)
-    return JaxHandle([handle], lambda r: to_jax(r[0]))
+    op = horovod_args.resolve_op(op, average)
+    handle = _on_device([device.cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=op,
+                                             prescale=prescale_factor, postscale=postscale_factor)])
+    if handle is not None:
+        return handle
+    inner = collectives.allreduce_async(host_array(tensor), None, name, op, prescale_factor, postscale_factor,
+                                        process_set)
+    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
@@ -137,18 +185,28 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name:
     if not tensors:
         return []
     sent, ctxs = _compressed(tensors, compression)
-    host_fn = _waiter(lambda a: collectives.grouped_allreduce_async(a, average, name, op, prescale_factor,
-                                                                    postscale_factor, process_set))
-    return _decompressed(_run(host_fn, sent, lambda: [spec(t) for t in sent]), ctxs, compression)
+    if not _any_traced(sent):
+        out = synchronize(grouped_allreduce_async(sent, average, name, op, prescale_factor, postscale_factor,
+                                                  process_set))
+    else:
+        host_fn = _waiter(lambda a: collectives.grouped_allreduce_async(a, average, name, op, prescale_factor,
+                                                                        postscale_factor, process_set))
+        out = _run(host_fn, sent, lambda: [spec(t) for t in sent])
+    return _decompressed(out, ctxs, compression)
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> JaxHandle:
     _no_tracers(tensors, "grouped_allreduce_async")
-    handles = collectives.grouped_allreduce_async([host_array(t) for t in tensors], average, name, op,
+    op = horovod_args.resolve_op(op, average)
+    handle = _grouped_on_device(Kind.ALLREDUCE, tensors, name, process_set, op=op, prescale=prescale_factor,
+                                postscale=postscale_factor)
+    if handle is not None:
+        return handle
+    handles = collectives.grouped_allreduce_async([host_array(t) for t in tensors], None, name, op,
                                                   prescale_factor, postscale_factor, process_set)
-    return JaxHandle(handles, lambda results: [to_jax(r) for r in results])
+    return JaxHandle(handles, _host_results(tensors))
 
 
 # ---- allgather ----------------------------------------------------------------------------------
@@ -177,33 +235,44 @@ def _equal_rows_gather(name: str | None, process_set: ProcessSet) -> HostFn:
     return host_fn
 
 
+def _rows(tensor: Any) -> Any:
+    """A scalar gathers as one row (as on the host path); the device path needs that shape up front."""
+    return tensor.reshape(1) if device.is_cuda(tensor) and tensor.ndim == 0 else tensor
+
+
 def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Any:
     """Concatenate every rank's array along dimension 0 (first dimensions may differ outside jit)."""
     if is_traced(tensor):
         return _run(_equal_rows_gather(name, process_set), [tensor], lambda: [_gathered_spec(tensor, process_set)])[0]
-    return to_jax(collectives.allgather(host_array(tensor), name, process_set))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
 def allgather_async(tensor: Any, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> JaxHandle:
     _no_tracers([tensor], "allgather_async")
-    handle = collectives.allgather_async(host_array(tensor), name, process_set)
-    return JaxHandle([handle], lambda r: to_jax(r[0]))
+    handle = _on_device([device.cuda_request(Kind.ALLGATHER, _rows(tensor), name, process_set)])
+    if handle is not None:
+        return handle
+    inner = collectives.allgather_async(host_array(tensor), name, process_set)
+    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list:
-    if any(is_traced(t) for t in tensors):
+    if _any_traced(tensors):
         return _run(_equal_rows_gather(name, process_set), tensors,
                     lambda: [_gathered_spec(t, process_set) for t in tensors])
-    return [to_jax(r) for r in collectives.grouped_allgather([host_array(t) for t in tensors], name, process_set)]
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
 def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> JaxHandle:
     _no_tracers(tensors, "grouped_allgather_async")
+    handle = _grouped_on_device(Kind.ALLGATHER, [_rows(t) for t in tensors], name, process_set)
+    if handle is not None:
+        return handle
     handles = collectives.grouped_allgather_async([host_array(t) for t in tensors], name, process_set)
-    return JaxHandle(handles, lambda results: [to_jax(r) for r in results])
+    return JaxHandle(handles, _host_results(tensors))
 
 
 # ---- broadcast ----------------------------------------------------------------------------------
@@ -211,6 +280,8 @@ def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s array on every rank (a new array: jax arrays are immutable)."""
+    if not is_traced(tensor):
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
     host_fn = _waiter(lambda a: collectives.broadcast_async(a[0], root_rank, name, process_set))
     return _run(host_fn, [tensor], lambda: [spec(tensor)])[0]
 
@@ -218,14 +289,23 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> JaxHandle:
     _no_tracers([tensor], "broadcast_async")
-    handle = collectives.broadcast_async(host_array(tensor), root_rank, name, process_set)
-    return JaxHandle([handle], lambda r: to_jax(r[0]))
+    if device.is_cuda(tensor):
+        collectives.check_root(root_rank, process_set)
+        handle = _on_device([device.cuda_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank))])
+        if handle is not None:
+            return handle
+    inner = collectives.broadcast_async(host_array(tensor), root_rank, name, process_set)
+    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
 
 
 # ---- alltoall -----------------------------------------------------------------------------------
 
 def _splits(splits: Any) -> Any:
     return None if splits is None else np.asarray(splits)
+
+
+def _received(received: Any) -> jax.Array:
+    return to_jax(np.asarray(received, dtype=np.int32))
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
@@ -235,29 +315,33 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     if is_traced(tensor) and splits is not None:
         raise TypeError("hora.jax.alltoall inside jax.jit takes splits=None (even splits): the output shape "
                         "must be known when tracing")
-    if splits is None:
-        if not is_traced(tensor):
-            return to_jax(collectives.alltoall(host_array(tensor), None, name, process_set))
+    if not is_traced(tensor):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        return output if splits is None else (output, received)
 
-        def host_fn(arrays: list[np.ndarray]) -> list[np.ndarray]:
-            rows = collectives.allgather(np.array([arrays[0].shape[0]], dtype=np.int64), None, process_set)
-            if len(set(rows.tolist())) > 1:  # checked on every rank before any row moves
-                raise ValueError(f"hora.jax rank {basics.rank()}: inside jax.jit, alltoall needs the same first "
-                                 f"dimension on every rank (the output shape is fixed when tracing); the "
-                                 f"ranks have {rows.tolist()}")
-            return [collectives.alltoall(arrays[0], None, name, process_set)]
+    def host_fn(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        rows = collectives.allgather(np.array([arrays[0].shape[0]], dtype=np.int64), None, process_set)
+        if len(set(rows.tolist())) > 1:  # checked on every rank before any row moves
+            raise ValueError(f"hora.jax rank {basics.rank()}: inside jax.jit, alltoall needs the same first "
+                             f"dimension on every rank (the output shape is fixed when tracing); the "
+                             f"ranks have {rows.tolist()}")
+        return [collectives.alltoall(arrays[0], None, name, process_set)]
 
-        return _run(host_fn, [tensor], lambda: [spec(tensor)])[0]
-    output, received = collectives.alltoall(host_array(tensor), _splits(splits), name, process_set)
-    return to_jax(output), to_jax(np.asarray(received, dtype=np.int32))
+    return _run(host_fn, [tensor], lambda: [spec(tensor)])[0]
 
 
 def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> JaxHandle:
     """Start an alltoall; :func:`synchronize` returns ``(output, received_splits)``."""
     _no_tracers([tensor], "alltoall_async")
-    handle = collectives.alltoall_async(host_array(tensor), _splits(splits), name, process_set)
-    return JaxHandle([handle], lambda r: (to_jax(r[0][0]), to_jax(np.asarray(r[0][1], dtype=np.int32))))
+    if device.is_cuda(tensor):
+        split_list = collectives.alltoall_splits(tuple(tensor.shape), _splits(splits), process_set)
+        request = device.cuda_request(Kind.ALLTOALL, tensor, name, process_set, splits=tuple(split_list))
+        handle = _on_device([request], lambda r: (r[0][0], _received(r[0][1])))
+        if handle is not None:
+            return handle
+    inner = collectives.alltoall_async(host_array(tensor), _splits(splits), name, process_set)
+    return JaxHandle([inner], lambda r: (to_jax(r[0][0], tensor), _received(r[0][1])))
 
 
 # ---- reducescatter ------------------------------------------------------------------------------
@@ -268,43 +352,67 @@ def _scattered_spec(t: Any, process_set: ProcessSet) -> jax.ShapeDtypeStruct:
     return spec(t, (rows, *shape[1:]))
 
 
+def _scatterable(tensors: Sequence[Any]) -> bool:
+    """Whether the device path may take them: a scalar has no rows (the host path says so)."""
+    return all(getattr(t, "ndim", 0) > 0 for t in tensors)
+
+
 def reducescatter(tensor: Any, name: str | None = None, compression=Compression.none, op: int = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> Any:
     """Reduce across ranks and keep this rank's block of rows (the first ``rows % size`` ranks get one more)."""
     sent, ctxs = _compressed([tensor], compression)
-    host_fn = _waiter(lambda a: collectives.reducescatter_async(a[0], name, op, process_set, prescale_factor,
-                                                                postscale_factor))
-    return _decompressed(_run(host_fn, sent, lambda: [_scattered_spec(sent[0], process_set)]), ctxs,
-                         compression)[0]
+    if not is_traced(sent[0]):
+        out = [synchronize(reducescatter_async(sent[0], name, op, process_set, prescale_factor, postscale_factor))]
+    else:
+        host_fn = _waiter(lambda a: collectives.reducescatter_async(a[0], name, op, process_set, prescale_factor,
+                                                                    postscale_factor))
+        out = _run(host_fn, sent, lambda: [_scattered_spec(sent[0], process_set)])
+    return _decompressed(out, ctxs, compression)[0]
 
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> JaxHandle:
     _no_tracers([tensor], "reducescatter_async")
-    handle = collectives.reducescatter_async(host_array(tensor), name, op, process_set, prescale_factor,
-                                             postscale_factor)
-    return JaxHandle([handle], lambda r: to_jax(r[0]))
+    if _scatterable([tensor]):
+        op = horovod_args.check_sum_or_average(op, "reducescatter")
+        handle = _on_device([device.cuda_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op,
+                                                 prescale=prescale_factor, postscale=postscale_factor)])
+        if handle is not None:
+            return handle
+    inner = collectives.reducescatter_async(host_array(tensor), name, op, process_set, prescale_factor,
+                                            postscale_factor)
+    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
 
 
 def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, compression=Compression.none,
                           op: int = Average, process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
     sent, ctxs = _compressed(tensors, compression)
-    host_fn = _waiter(lambda a: collectives.grouped_reducescatter_async(a, name, op, process_set, prescale_factor,
-                                                                        postscale_factor))
-    return _decompressed(_run(host_fn, sent, lambda: [_scattered_spec(t, process_set) for t in sent]), ctxs,
-                         compression)
+    if not _any_traced(sent):
+        out = synchronize(grouped_reducescatter_async(sent, name, op, process_set, prescale_factor,
+                                                      postscale_factor))
+    else:
+        host_fn = _waiter(lambda a: collectives.grouped_reducescatter_async(a, name, op, process_set,
+                                                                            prescale_factor, postscale_factor))
+        out = _run(host_fn, sent, lambda: [_scattered_spec(t, process_set) for t in sent])
+    return _decompressed(out, ctxs, compression)
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> JaxHandle:
     _no_tracers(tensors, "grouped_reducescatter_async")
+    if _scatterable(tensors):
+        op = horovod_args.check_sum_or_average(op, "reducescatter")
+        handle = _grouped_on_device(Kind.REDUCESCATTER, tensors, name, process_set, op=op,
+                                    prescale=prescale_factor, postscale=postscale_factor)
+        if handle is not None:
+            return handle
     handles = collectives.grouped_reducescatter_async([host_array(t) for t in tensors], name, op, process_set,
                                                       prescale_factor, postscale_factor)
-    return JaxHandle(handles, lambda results: [to_jax(r) for r in results])
+    return JaxHandle(handles, _host_results(tensors))
 
 
 # ---- control ------------------------------------------------------------------------------------

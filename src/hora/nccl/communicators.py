@@ -8,22 +8,30 @@ member of the set publishes it under a key naming the world's round, the set and
 others wait for that key within a bounded time.
 
 Communicators are made lazily, the first time a set runs a device collective (a CPU-only job never
-touches NCCL), and destroyed when the set is removed or hora shuts down. A hierarchical allreduce
-also needs the host-local and cross-host communicators of the global set; they are sets too, keyed
-by name.
+touches NCCL), and destroyed when the set is removed or hora shuts down, or aborted
+(``ncclCommAbort``) when a peer failed or device work stalled: an NCCL kernel whose peer is gone
+spins until then. Each set's next communicator gets a new epoch, so it never reuses an old id. A
+hierarchical allreduce also needs the host-local and cross-host communicators of the global set;
+they are sets too, keyed by name.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
 from hora.errors import HoraError
+from hora.nccl.library import INVALID_USAGE, NcclError
 
 logger = logging.getLogger("hora")
+
+#: ncclResult_t values that ``ncclCommGetAsyncError`` returns for a healthy communicator.
+_NCCL_SUCCESS = 0
+_NCCL_IN_PROGRESS = 7
 
 
 class Store(Protocol):
@@ -31,6 +39,7 @@ class Store(Protocol):
 
     def set(self, key: str, value: bytes) -> None: ...
     def get(self, key: str, timeout: float) -> bytes: ...
+    def set_if_absent(self, key: str, value: bytes) -> bytes: ...
 
 
 class NcclBackend(Protocol):
@@ -100,7 +109,17 @@ class CommunicatorTable:
                                     f"member (rank {members[0]}) within {self._timeout:.0f} s: {exc}") from exc
             if self._before_init is not None:
                 self._before_init()
-            handle = self._nccl.comm_init_rank(len(members), unique_id, rank)
+            try:
+                handle = self._nccl.comm_init_rank(len(members), unique_id, rank)
+            except NcclError as exc:
+                if exc.result != INVALID_USAGE:
+                    raise
+                raise NcclError(
+                    f"rank {my_rank} on {socket.gethostname()}: NCCL refused the communicator of process set "
+                    f"{key} ({exc}). The usual cause is two ranks of the set on one GPU, which NCCL does not "
+                    "allow: give each rank its own GPU (torch.cuda.set_device(hvd.local_rank()), or "
+                    "CUDA_VISIBLE_DEVICES), or set HORA_NCCL=off to reduce CUDA tensors through host memory",
+                    exc.result) from exc
             comm = DeviceComm(key, handle, rank, len(members), epoch)
             self._comms[key] = comm
             logger.debug("rank %d: NCCL communicator for set %s (rank %d of %d)", my_rank, key, rank, len(members))
@@ -121,6 +140,29 @@ class CommunicatorTable:
             self._nccl.comm_abort(comm.comm)
         else:
             self._nccl.comm_destroy(comm.comm)
+
+    def abort(self) -> None:
+        """``ncclCommAbort`` every communicator (a peer failed or device work stalled): NCCL kernels
+        still waiting for a peer that is gone end, instead of spinning forever."""
+        self.close(abort=True)
+
+    def async_error(self) -> str | None:
+        """NCCL's own report of a broken communicator (``ncclCommGetAsyncError``), or None.
+
+        NCCL reports a peer that closed its network connection this way; peers over NVLink or shared
+        memory report nothing (their kernels just spin), which the caller's stall limit catches.
+        Asked only where the NCCL binding offers the call.
+        """
+        query = getattr(self._nccl, "comm_get_async_error", None)
+        if query is None:
+            return None
+        for comm in list(self._comms.values()):
+            code = int(query(comm.comm))
+            if code not in (_NCCL_SUCCESS, _NCCL_IN_PROGRESS):
+                describe = getattr(self._nccl, "error_string", None)
+                text = f"{describe(code)} " if describe is not None else ""
+                return f"NCCL reports the communicator of process set {comm.key} broken: {text}(ncclResult_t {code})"
+        return None
 
     def close(self, abort: bool = False) -> None:
         """Destroy (or, after a failure, abort) every communicator (shutdown)."""

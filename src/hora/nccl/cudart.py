@@ -1,7 +1,10 @@
 """The CUDA runtime calls the device path needs, through ctypes: the seam between hora's logic and the GPU.
 
 hora needs only streams, events, device memory and asynchronous copies; it never launches a kernel
-of its own (scaling runs inside NCCL as a pre-multiplied Sum). :class:`CudaApi` names those calls;
+of its own (scaling runs inside NCCL as a pre-multiplied Sum). hora's own waits on the GPU ask
+``cudaEventQuery`` (:meth:`CudaApi.event_query`) in a loop with a deadline rather than block in
+``cudaEventSynchronize``: an NCCL kernel whose peer died never finishes, and a wait that cannot end
+would hide that from the code that can abort it (see :mod:`hora.nccl.ops`). :class:`CudaApi` names those calls;
 :class:`CudaRuntime` makes them on ``libcudart`` (the ``nvidia-cuda-runtime-cu12`` wheel, or the
 system's), and tests drive :mod:`hora.nccl.ops` through a recording implementation of the same
 protocol, so the ordering logic is checked on machines without a GPU.
@@ -22,6 +25,8 @@ LIBRARY_ENV = "HORA_CUDART_LIBRARY"
 DEVICE_TO_HOST = 2
 HOST_TO_DEVICE = 1
 DEVICE_TO_DEVICE = 3
+# cudaErrorNotReady: what cudaEventQuery returns for an event whose work is still pending.
+_NOT_READY = 600
 # cudaEventDisableTiming: events used only for ordering are cheaper without timestamps.
 _EVENT_DISABLE_TIMING = 2
 # cudaStreamNonBlocking: hora's stream does not synchronise with the legacy default stream.
@@ -41,6 +46,7 @@ class CudaApi(Protocol):
     def event_record(self, event: int, stream: int) -> None: ...
     def stream_wait_event(self, stream: int, event: int) -> None: ...
     def event_synchronize(self, event: int) -> None: ...
+    def event_query(self, event: int) -> bool: ...
     def malloc(self, nbytes: int) -> int: ...
     def free(self, ptr: int) -> None: ...
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None: ...
@@ -88,6 +94,7 @@ class CudaRuntime:
         self.lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self.lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.lib.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
+        self.lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
         self.lib.cudaFree.argtypes = [ctypes.c_void_p]
         self.lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                              ctypes.c_void_p]
@@ -119,6 +126,15 @@ class CudaRuntime:
 
     def event_synchronize(self, event: int) -> None:
         self._check("cudaEventSynchronize", self.lib.cudaEventSynchronize(event))
+
+    def event_query(self, event: int) -> bool:
+        """Whether the work before ``event`` is done (``cudaEventQuery``); never waits. A failure of
+        that work (or a sticky CUDA error) raises :class:`CudaError`."""
+        result = self.lib.cudaEventQuery(event)
+        if result == _NOT_READY:
+            return False
+        self._check("cudaEventQuery", result)
+        return True
 
     def malloc(self, nbytes: int) -> int:
         ptr = ctypes.c_void_p()

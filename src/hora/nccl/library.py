@@ -28,12 +28,29 @@ LIBRARY_KNOB = "nccl_library"  # the config knob HORA_NCCL_LIBRARY sets
 LIBRARY_ENV = "HORA_NCCL_LIBRARY"
 
 
+class UniqueId(ctypes.Structure):
+    """``ncclUniqueId``: a struct that ``ncclCommInitRank`` takes by value. A bare ``c_char * 128`` in
+    ``argtypes`` would be passed as a pointer (ctypes decays arrays), and NCCL would read its id from
+    whatever the stack held: "invalid argument" on a real GPU."""
+
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
 class NcclUnavailable(HoraError):
     """NCCL cannot be used here (not installed, or its library does not load); the message says why."""
 
 
+#: ``ncclInvalidUsage``: among others, ``ncclCommInitRank``'s answer to two ranks of one communicator on one GPU.
+INVALID_USAGE = 5
+
+
 class NcclError(HoraError):
-    """An NCCL call failed; the message names the call and NCCL's own explanation."""
+    """An NCCL call failed; the message names the call and NCCL's own explanation, ``result`` its
+    ``ncclResult_t`` (0 where unknown, as after the error travelled to another process)."""
+
+    def __init__(self, message: str, result: int = 0) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class DataType(enum.IntEnum):
@@ -169,15 +186,15 @@ class Nccl:
         self.lib.ncclRedOpCreatePreMulSum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                                       ctypes.c_void_p]
         self.lib.ncclRedOpDestroy.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        self.lib.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char * UNIQUE_ID_BYTES,
-                                              ctypes.c_int]
+        self.lib.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, UniqueId, ctypes.c_int]
         for name in ("ncclCommDestroy", "ncclCommAbort"):
             getattr(self.lib, name).argtypes = [ctypes.c_void_p]
+        self.lib.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
 
     def _check(self, call: str, result: int) -> None:
         if result != 0:
             message = self.lib.ncclGetErrorString(result).decode(errors="replace")
-            raise NcclError(f"{call} failed: {message} (ncclResult_t {result})")
+            raise NcclError(f"{call} failed: {message} (ncclResult_t {result})", result)
 
     def version(self) -> int:
         code = ctypes.c_int()
@@ -194,7 +211,7 @@ class Nccl:
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
         comm = ctypes.c_void_p()
-        uid = (ctypes.c_char * UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+        uid = UniqueId.from_buffer_copy(unique_id)
         self._check("ncclCommInitRank", self.lib.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank))
         return comm.value or 0
 
@@ -203,6 +220,16 @@ class Nccl:
 
     def comm_abort(self, comm: int) -> None:
         self._check("ncclCommAbort", self.lib.ncclCommAbort(comm))
+
+    def comm_get_async_error(self, comm: int) -> int:
+        """``ncclCommGetAsyncError``: 0 (ncclSuccess), 7 (ncclInProgress), else what broke the communicator."""
+        result = ctypes.c_int()
+        self._check("ncclCommGetAsyncError", self.lib.ncclCommGetAsyncError(comm, ctypes.byref(result)))
+        return result.value
+
+    def error_string(self, code: int) -> str:
+        """NCCL's words for an ``ncclResult_t``."""
+        return str(self.lib.ncclGetErrorString(code).decode(errors="replace"))
 
     def group_start(self) -> None:
         self._check("ncclGroupStart", self.lib.ncclGroupStart())

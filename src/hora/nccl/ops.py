@@ -3,27 +3,40 @@
 Ordering, with no host wait: an event recorded on the producer's (framework's) stream is waited
 for by hora's stream before any copy or NCCL call; after the last call an event recorded on hora's
 stream is waited for by the consumer's stream, so whatever the framework enqueues next sees the
-result. The caller gets that "done" event; a framework without a stream handle (TensorFlow, JAX)
-synchronises on it before handing the tensor back.
+result. The caller gets that "done" event; for a framework without a stream handle (TensorFlow, JAX)
+hora hands the tensor back only once that event is done.
 
 Allreduce of many small tensors packs them into one device fusion buffer (:mod:`hora.nccl.fusion`);
 scaling (prescale, postscale, Average's 1/size) runs inside NCCL as one pre-multiplied Sum, so hora
 launches no kernel of its own. Alltoall and uneven allgather/reducescatter are grouped point-to-point,
 broadcast and reduce calls in one ``ncclGroupStart``/``ncclGroupEnd``.
+
+Every wait hora itself makes on the GPU ends (:meth:`DeviceCollectives.wait`): it polls
+``cudaEventQuery`` with a deadline instead of blocking in ``cudaEventSynchronize``, because an NCCL
+kernel whose peer died spins until its communicator is aborted, and only code that is not stuck in
+that wait can abort it. The deadline is the stall limit (``stall_shutdown_time_seconds``, see
+:func:`hora.nccl.context.stall_limit`); a wait also ends as soon as the device side was aborted.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from hora.errors import HorovodInternalError
 from hora.nccl import fusion
 from hora.nccl.communicators import DeviceComm
-from hora.nccl.cudart import DEVICE_TO_DEVICE, DEVICE_TO_HOST, HOST_TO_DEVICE, CudaApi
+from hora.nccl.cudart import DEVICE_TO_DEVICE, DEVICE_TO_HOST, HOST_TO_DEVICE, CudaApi, CudaError
 from hora.nccl.library import DataType, nccl_dtype, nccl_op
 from hora.transport.base import ReduceOp
+
+#: Seconds hora's waits on the GPU may last when no limit is given (the transport timeout's default).
+DEFAULT_STALL_LIMIT = 30.0
+#: The longest pause between two polls of an event: short next to a collective, long next to a poll.
+_MAX_POLL_PAUSE_S = 1e-3
 
 
 class NcclCalls(Protocol):
@@ -70,36 +83,103 @@ def combined_scale(op: ReduceOp, prescale: float, postscale: float, size: int) -
 class DeviceCollectives:
     """Collectives on one GPU; one instance per process, shared by all its communicators."""
 
-    def __init__(self, cuda: CudaApi, nccl: NcclCalls, fusion_threshold: int = 128 * 1024 * 1024) -> None:
+    def __init__(self, cuda: CudaApi, nccl: NcclCalls, fusion_threshold: int = 128 * 1024 * 1024,
+                 stall_limit: float = DEFAULT_STALL_LIMIT, who: str = "this rank") -> None:
         self.cuda = cuda
         self.nccl = nccl
         self.stream = cuda.stream_create()
         self.fusion_threshold = fusion_threshold
+        #: Seconds one of hora's waits on the GPU may last before it fails (see :meth:`wait`).
+        self.stall_limit = stall_limit
+        #: "rank 3 on host-a": names this process in the errors of its waits.
+        self.who = who
+        #: Why the device side was aborted (None: it was not); set from any thread, ends every wait.
+        self.failure: str | None = None
         self._fusion_ptr = 0
         self._fusion_bytes = 0
+        self._free_events: list[int] = []
 
     # ---- ordering ------------------------------------------------------------------------------
 
+    def _event(self) -> int:
+        """An event to record: a recycled one when there is one. A training step makes several,
+        so creating one per use (and never destroying it) would grow the driver's tables forever."""
+        return self._free_events.pop() if self._free_events else self.cuda.event_create()
+
+    def recycle(self, *events: int) -> None:
+        """Hand back events nothing will wait on or query again: every wait that names them is
+        already enqueued (a stream wait takes the event's state at the call) or they are done."""
+        self._free_events.extend(events)
+
     def after(self, producer_stream: int) -> None:
         """Make hora's stream wait for everything the producer enqueued so far (no host wait)."""
-        event = self.cuda.event_create()
+        event = self._event()
         self.cuda.event_record(event, producer_stream)
         self.cuda.stream_wait_event(self.stream, event)
+        self.recycle(event)
 
     def before(self, consumer_stream: int | None) -> int:
-        """Record "done" on hora's stream; make ``consumer_stream`` (if any) wait for it. Returns the event."""
-        event = self.cuda.event_create()
+        """Record "done" on hora's stream; make ``consumer_stream`` (if any) wait for it. Returns the
+        event, which the caller recycles once it no longer watches it."""
+        event = self._event()
         self.cuda.event_record(event, self.stream)
         if consumer_stream is not None:
             self.cuda.stream_wait_event(consumer_stream, event)
         return event
+
+    def mark(self) -> int:
+        """An event recorded on hora's stream now: done once the GPU reaches this point (a run's
+        start marker, from which its stall clock runs). The caller recycles it."""
+        event = self._event()
+        self.cuda.event_record(event, self.stream)
+        return event
+
+    # ---- waiting, with an end ------------------------------------------------------------------
+
+    def done(self, event: int) -> bool:
+        """Whether the work before ``event`` is done, without waiting. A CUDA error of that work is a
+        :class:`HorovodInternalError` (the collective failed; elastic training may re-form)."""
+        try:
+            return self.cuda.event_query(event)
+        except CudaError as exc:
+            raise HorovodInternalError(f"{self.who}: NCCL work on hora's CUDA stream failed: {exc}") from exc
+
+    def wait(self, event: int, what: str) -> None:
+        """Wait on the host until ``event`` is done; raise :class:`HorovodInternalError` naming
+        ``what`` once the device side was aborted or after :attr:`stall_limit` seconds.
+
+        Polled rather than blocked in ``cudaEventSynchronize``: a dead peer's collective never
+        finishes, so a blocking wait would never return to anything that could abort it.
+        """
+        deadline = time.monotonic() + self.stall_limit
+        pause = 0.0
+        while not self.done(event):
+            if self.failure is not None:
+                raise HorovodInternalError(f"{self.who}: {what} ended: the NCCL path was aborted ({self.failure})")
+            if time.monotonic() >= deadline:
+                raise HorovodInternalError(
+                    f"{self.who}: {what}: hora's CUDA stream did not finish its work within {self.stall_limit:g} s "
+                    "(HORA_STALL_SHUTDOWN_TIME_SECONDS, or HORA_TRANSPORT_TIMEOUT when that is 0); an NCCL "
+                    "collective's peer is gone or hung")
+            time.sleep(pause)
+            pause = min(max(2 * pause, 10e-6), _MAX_POLL_PAUSE_S)
+        self.cuda.event_synchronize(event)  # done: returns at once, and reports the work's error if any
+
+    def drain(self) -> None:
+        """Wait (with :meth:`wait`'s end) until hora's stream has done everything enqueued on it."""
+        self._wait_for_stream("waiting for hora's CUDA stream to drain")
+
+    def _wait_for_stream(self, what: str) -> None:
+        event = self.before(None)
+        self.wait(event, what)
+        self.recycle(event)
 
     def fusion_buffer(self, nbytes: int) -> int:
         """The device fusion buffer, grown (never shrunk) to ``nbytes``; reused by every bucket."""
         if nbytes > self._fusion_bytes:
             if self._fusion_ptr:
                 # the old buffer may still be in use by enqueued work: free only after hora's stream drains
-                self.cuda.event_synchronize(self.before(None))
+                self.drain()
                 self.cuda.free(self._fusion_ptr)
             self._fusion_ptr = self.cuda.malloc(nbytes)
             self._fusion_bytes = nbytes
@@ -111,8 +191,9 @@ class DeviceCollectives:
             self.cuda.memcpy_async(dst.ptr, src.ptr, src.nbytes, DEVICE_TO_DEVICE, self.stream)
 
     def close(self) -> None:
+        """Free the fusion buffer once hora's stream has drained (raises, keeping it, if it does not)."""
         if self._fusion_ptr:
-            self.cuda.event_synchronize(self.before(None))
+            self.drain()
             self.cuda.free(self._fusion_ptr)
             self._fusion_ptr, self._fusion_bytes = 0, 0
 
@@ -174,10 +255,10 @@ class DeviceCollectives:
         if local.rank == 0:
             host = np.empty(tensor.count, dtype=tensor.dtype)
             self.cuda.memcpy_async(host.ctypes.data, tensor.ptr, tensor.nbytes, DEVICE_TO_HOST, self.stream)
-            self.cuda.event_synchronize(self.before(None))
+            self._wait_for_stream("copying the host's sum to host memory")
             cross_allreduce(host)
             self.cuda.memcpy_async(tensor.ptr, host.ctypes.data, tensor.nbytes, HOST_TO_DEVICE, self.stream)
-            self.cuda.event_synchronize(self.before(None))  # ``host`` must outlive the copy
+            self._wait_for_stream("copying the hosts' sum back")  # ``host`` must outlive the copy
         self.nccl.broadcast(tensor.ptr, tensor.ptr, tensor.count, dtype, 0, local.comm, self.stream)
 
     def reducescatter(self, comm: DeviceComm, tensor: Tensor, output: Tensor, counts: Sequence[int],
@@ -249,8 +330,8 @@ class DeviceCollectives:
     def run(self, producer_stream: int, consumer_stream: int | None, body: Callable[[], None]) -> int:
         """``body``'s collectives ordered after ``producer_stream`` and before ``consumer_stream``.
 
-        Returns the done event (the caller synchronises on it only when its framework has no stream
-        to chain on).
+        Returns the done event (the caller watches it until the GPU is there, and hands results
+        back only then when the framework has no stream to chain on).
         """
         self.after(producer_stream)
         body()
