@@ -25,17 +25,16 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from hora.engine import request as request_module
 from hora.engine.autotune import AutotuneConfig, Autotuner, TuningParams
 from hora.engine.cache import Lookup, ResponseCache
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor, Item
+from hora.engine.pacing import Pacer
 from hora.engine.process_stderr import send_to_process_stderr
 from hora.engine.request import PROCESS_SET_KINDS, Handle, Kind, Request, process_set_signature
 from hora.engine.timeline import Timeline
 from hora.errors import HorovodInternalError
 from hora.transport.base import Communicator, ReduceOp
-from hora.transport.timer_slack import fine_timer_slack
 
 # Enum members looked up once (attribute access on an Enum class is slow; these run per tensor or cycle).
 _BAND = ReduceOp.BAND
@@ -56,9 +55,6 @@ _ARRIVAL_SHIFT = 8
 _ARRIVAL_MEMBERS = 64 - _ARRIVAL_SHIFT
 _WORD = (1 << 64) - 1
 _NEVER_CACHED = frozenset((Kind.JOIN, Kind.BARRIER)) | PROCESS_SET_KINDS
-_BURST_GAP_S = 20e-6
-_IDLE_CYCLES_BEFORE_BACKOFF = 2
-_MAX_IDLE_WAIT_S = 0.05
 
 
 def _exchange_control(comm: Communicator, words: int, flags: int, invalid: int, ready: int,
@@ -162,19 +158,14 @@ class Engine:
         self._make_communicator = make_communicator
         self.timeline = timeline if self.global_rank == 0 else None
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        # Held while a cycle runs, by the engine thread or by a thread waiting on a handle (drive).
-        self._cycle_lock = threading.Lock()
-        self._drivers = 0  # threads now driving cycles from Handle.wait
-        self._long_wait = True  # the engine thread waits longer than a cycle time: wake it on submit
-        self._stopped = False  # no more cycles: shut down or failed
+        self.stopped = False  # no more cycles: shut down or failed
         self._failed = False  # stopped by a failure, not by an agreed shutdown
-        self._stop_requested = False
+        self.stop_requested = False
         self._failure: HorovodInternalError | None = None
         self._device_failure: HorovodInternalError | None = None  # told to peers by _FLAG_DEVICE_FAILED
-        self._last_submit = 0.0
-        self._idle_cycles = 0
-        self._progress = False
+        self.last_submit = 0.0
+        self.idle_cycles = 0
+        self.progress = False
         self._sets: dict[int, SetState] = {}
         # The same states in id order, replaced (never mutated) when a set is added or removed, so
         # that a thread outside the cycle may look at them while a cycle changes the sets.
@@ -191,8 +182,8 @@ class Engine:
         #: Set by enable_autotune(): tunes the knobs below while the job trains.
         self.autotuner: Autotuner | None = None
         self._add_set(0, list(range(world.size)), world)
-        self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
-        self._thread.start()
+        self._pacer = Pacer(self)
+        self._pacer.start()
 
     # ---- process sets -------------------------------------------------------------------------
 
@@ -228,7 +219,7 @@ class Engine:
             config = replace(config, fixed_hierarchical=True)
         if self.settings.cache_capacity <= 0:
             config = replace(config, fixed_cache=True)  # a cache of no entries has nothing to turn on
-        with self._cycle_lock:
+        with self._pacer.cycle_lock:
             self.autotuner = Autotuner(config, initial, is_coordinator=world_state.comm.rank == 0,
                                        apply=self._apply_tuning,
                                        broadcast=lambda obj: world_state.comm.broadcast_object(obj, 0))
@@ -284,7 +275,7 @@ class Engine:
         with self._lock:
             if self._failure is not None:
                 raise HorovodInternalError(str(self._failure))
-            if self._stop_requested:
+            if self.stop_requested:
                 raise HorovodInternalError("hora is shutting down; no new collectives are accepted")
             set_id = requests[0].process_set_id
             state = self._sets.get(set_id)
@@ -306,20 +297,14 @@ class Engine:
                         self._raise_in_flight(request.name)
                     seen.add(request.name)
             now = time.monotonic()
-            self._last_submit = time.perf_counter()
+            self.last_submit = time.perf_counter()
             inbox = state.inbox
             for request in requests:
                 request.submitted_at = now
                 request.handle.driver = self
                 in_flight[request.name] = request
                 inbox.put(request)
-        # The engine thread polls its inbox every cycle time; it is woken only from a longer idle
-        # wait. Waking it on every submission would cost more than the cycle it saves: it would
-        # contend for the GIL with the submitting thread, which usually goes on to wait and run the
-        # cycle itself (drive). Requests are queued before this check and the engine clears the
-        # event before draining, so a set event means a drain is still to come that will see them.
-        if self._long_wait and not self._wake.is_set():
-            self._wake.set()
+        self._pacer.submitted()
         return [r.handle for r in requests]
 
     def add_process_set(self, ranks: list[int], name: str) -> Handle:
@@ -343,12 +328,12 @@ class Engine:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop after telling every rank (through the next cycle); fails whatever is still pending."""
         with self._lock:
-            self._stop_requested = True
-        self._wake.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+            self.stop_requested = True
+        self._pacer.wake.set()
+        self._pacer.thread.join(timeout)
+        if self._pacer.thread.is_alive():
             logger.warning("rank %d: engine thread did not stop within %.0f s", self.global_rank, timeout)
-            self._stop(HorovodInternalError(
+            self.stop(HorovodInternalError(
                 f"rank {self.global_rank}: hora was shut down while this collective was pending"))
         for set_id, state in self._sets.items():
             if set_id != 0:
@@ -383,7 +368,7 @@ class Engine:
         longer complete (it stopped, or failed, while the handle waited) ends in an error instead
         of a wait that nothing will ever end.
         """
-        if not self._stopped or handle.done():
+        if not self.stopped or handle.done():
             return False
         with self._lock:
             if not handle.done():
@@ -414,116 +399,13 @@ class Engine:
 
     # ---- the cycle ----------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        try:
-            self._run_cycles()
-        except BaseException as exc:  # a bug here must fail the pending handles, not strand them
-            if not self._stopped:
-                logger.error("rank %d: engine thread crashed: %r", self.global_rank, exc)
-                self._stop(HorovodInternalError(f"rank {self.global_rank}: engine thread crashed: {exc!r}"))
-            if not isinstance(exc, Exception):
-                raise
-
-    def _run_cycles(self) -> None:
-        fine_timer_slack()  # the settle wait and idle waits are short sleeps
-        while not self._stopped:
-            # Idle ranks still cycle every cycle_time (peers may be waiting on them); with work,
-            # cycles run back to back, each first letting a burst of submissions settle.
-            # Cycle again at once only after progress with work still pending (or when new
-            # requests are queued); otherwise wait for a submission, or the cycle time (longer
-            # when idle a while). A rank whose work is all done has nothing to tell its peers
-            # that cannot wait for its next submission or cycle time.
-            if self._should_cycle_now() or self._wait(self._idle_wait()) or self._inbox_pending():
-                if self._drivers:
-                    # A waiting thread is running the cycles; it wakes us when it leaves. Clear,
-                    # then look again: a driver that left before the clear is seen leaving here,
-                    # one that leaves after it sets the event this wait returns on.
-                    self._wake.clear()
-                    if self._drivers:
-                        self._wait(self._idle_wait())
-                    continue
-                self._settle()
-            with self._cycle_lock:
-                if self._stopped:
-                    return
-                if self._drivers:
-                    continue  # a driver arrived meanwhile: the branch above waits for it
-                if self._wake.is_set():
-                    self._wake.clear()
-                self._iterate()
-
-    def _wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for a wake-up; True if woken (or work is already queued).
-
-        A submission wakes a long wait: it queues its requests, then reads ``_long_wait``; this
-        sets ``_long_wait``, then looks at the queues. Whichever runs second sees the other's
-        write, so a submission is never left waiting out a long wait.
-        """
-        long_wait = timeout > self.settings.cycle_time_s
-        self._long_wait = long_wait
-        try:
-            if long_wait and not self._drivers and self._inbox_pending():
-                return True  # (with a driver, the driver runs the cycle that drains them)
-            return self._wake.wait(timeout)
-        finally:
-            self._long_wait = False
-
     def drive(self, handle: Handle) -> None:
-        """Run cycles in a thread that waits on ``handle`` until it completes.
+        """Run cycles in a thread that waits on ``handle`` until it completes (:meth:`Pacer.drive`)."""
+        self._pacer.drive(handle)
 
-        A training thread that synchronizes has nothing else to do, and running the cycle itself
-        saves two thread hand-offs per step (waking the engine thread, then being woken by it),
-        which cost more than a cached cycle on a busy host. Cycles follow the engine thread's
-        pacing: back to back while they make progress, else one per cycle time.
-        """
-        if threading.current_thread() is self._thread:
-            return
-        fine_timer_slack()
-        counted = False
-        try:
-            with self._lock:
-                self._drivers += 1
-                counted = True
-            request_module.mark_waiting()  # after counting: the engine thread, seeing it, yields to us
-            first = True
-            since = time.monotonic()
-            report_after = self.settings.stall_warning_s if self.settings.stall_check else 0.0
-            next_report = report_after
-            while not handle._finished and not self._stopped:
-                if not first and not self._should_cycle_now():
-                    if handle.wait_done(self._idle_wait()):
-                        return
-                    if report_after > 0:  # nothing to do but wait: say so now and then
-                        waited = time.monotonic() - since
-                        if waited >= next_report:
-                            self.report_wait(handle, waited)
-                            next_report = waited + report_after
-                first = False
-                if not self._cycle_lock.acquire(timeout=self.settings.cycle_time_s):
-                    continue  # the engine thread is mid-cycle; it may finish this handle
-                try:
-                    if handle._finished or self._stopped:
-                        return
-                    if self._wake.is_set():
-                        self._wake.clear()
-                    self._iterate()
-                finally:
-                    self._cycle_lock.release()
-        finally:
-            if counted:
-                with self._lock:
-                    self._drivers -= 1
-                    last = self._drivers == 0
-                if last and self._has_work():
-                    self._wake.set()  # hand what is left to the engine thread
-            self.abandon_if_stopped(handle)  # a stopped engine completes nothing more
-
-    def _should_cycle_now(self) -> bool:
-        return (self._progress and self._has_work()) or self._stop_requested or self._inbox_pending()
-
-    def _iterate(self) -> None:
-        """One cycle of every process set (the caller holds ``_cycle_lock``)."""
-        self._progress = False
+    def iterate(self) -> None:
+        """One cycle of every process set (the caller holds the pacer's ``cycle_lock``)."""
+        self.progress = False
         try:
             if self.timeline is not None:
                 self.timeline.cycle()
@@ -535,30 +417,30 @@ class Engine:
             if tuner is not None and tuner.sample_done and not stop:
                 tuner.end_sample()  # the same cycle on every rank: they executed the same operations
             if stop:
-                self._stop(HorovodInternalError(
+                self.stop(HorovodInternalError(
                     "hora was shut down (a rank called shutdown() or exited) while this "
                     "collective was pending"), orderly=True)
         except HorovodInternalError as exc:
             logger.error("%s", exc)  # the message already names the rank
-            self._stop(exc)
+            self.stop(exc)
         except Exception as exc:  # a bug must fail handles, not hang them
             logger.exception("rank %d: engine cycle crashed", self.global_rank)
-            self._stop(HorovodInternalError(f"rank {self.global_rank}: engine cycle crashed: {exc!r}"))
+            self.stop(HorovodInternalError(f"rank {self.global_rank}: engine cycle crashed: {exc!r}"))
         except BaseException:
             # KeyboardInterrupt (or SystemExit) in a driving thread, mid-collective: the peers
             # cannot be told where this rank stopped, so the engine cannot go on.
-            self._stop(HorovodInternalError(f"rank {self.global_rank}: interrupted during a collective"))
+            self.stop(HorovodInternalError(f"rank {self.global_rank}: interrupted during a collective"))
             raise
 
-    def _stop(self, error: HorovodInternalError, orderly: bool = False) -> None:
+    def stop(self, error: HorovodInternalError, orderly: bool = False) -> None:
         """Stop cycling and fail what is pending. ``orderly``: every rank agreed to shut down (else
         a failure: a peer may be gone mid-collective, so NCCL communicators are aborted now)."""
-        self._stopped = True
+        self.stopped = True
         if not orderly:
             self._failed = True
             self._abort_device(error)
         self._fail_all(error)  # (after a device abort: already failed, with its note)
-        self._wake.set()  # the engine thread exits
+        self._pacer.wake.set()  # the engine thread exits
 
     def _abort_device(self, error: HorovodInternalError) -> None:
         """Abort the NCCL communicators at once: their kernels wait for a failed peer forever, and so
@@ -576,43 +458,11 @@ class Engine:
         except Exception as exc:  # the failure stands; what went wrong aborting it is logged
             logger.warning("rank %d: aborting the NCCL communicators failed: %r", self.global_rank, exc)
 
-    def _idle_wait(self) -> float:
-        """Seconds an idle engine waits before its next cycle.
-
-        Every idle cycle is a collective, so it costs CPU that training needs (a forward pass is all
-        idle cycles, and so are the gaps between a backward pass's buckets). After a couple of idle
-        cycles the wait doubles each cycle, up to ``_MAX_IDLE_WAIT_S``. Nothing waits on an idle rank's
-        cycles but peers that already hold a collective this rank has not submitted yet: its own
-        submission wakes it at once, so the backoff delays no training step, only a peer's view of
-        this rank's shutdown or negotiation flags (by at most ``_MAX_IDLE_WAIT_S``).
-        """
-        base = self.settings.cycle_time_s
-        if self._has_work():  # waiting on peers: keep the cycle time
-            return base
-        extra = self._idle_cycles - _IDLE_CYCLES_BEFORE_BACKOFF
-        return base if extra < 0 else min(_MAX_IDLE_WAIT_S, base * (2 << min(extra, 16)))
-
-    def _settle(self) -> None:
-        """Let a burst of submissions (a backward pass, a grouped step) finish arriving, so that it is
-        negotiated and fused as one instead of trickling over several cycles.
-
-        A burst is submissions closer together than ``_BURST_GAP_S``, and it is over as soon as a
-        thread blocks on a handle after the last submission (the usual end of a burst: submit, then
-        synchronize). Waiting yields the GIL to the submitting thread, never longer than one cycle.
-        """
-        deadline = time.perf_counter() + self.settings.cycle_time_s
-        while True:
-            now = time.perf_counter()
-            last = self._last_submit
-            if now - last >= _BURST_GAP_S or now >= deadline or request_module.last_wait_started > last:
-                return
-            time.sleep(0)
-
-    def _inbox_pending(self) -> bool:
+    def inbox_pending(self) -> bool:
         return any(not s.inbox.empty() or s.uncached for s in self._states)
 
-    def _has_work(self) -> bool:
-        return self._stop_requested or any(
+    def has_work(self) -> bool:
+        return self.stop_requested or any(
             not s.inbox.empty() or s.uncached or s.by_bit or s.awaiting or s.executor.device_waiting
             for s in self._states
         )
@@ -624,7 +474,7 @@ class Engine:
         lookup = state.cache.lookup
         while not inbox.empty():
             request = inbox.get_nowait()  # only this thread (the cycle-lock holder) takes from it
-            self._progress = True
+            self.progress = True
             if not use_cache or request.signature.kind in _NEVER_CACHED:
                 state.uncached.append(request)
                 continue
@@ -666,7 +516,7 @@ class Engine:
         )
         if state.uncached or coordinator_due:
             flags |= _FLAG_UNCACHED
-        if self._stop_requested:
+        if self.stop_requested:
             flags |= _FLAG_SHUTDOWN
         if self._device_failure is not None:
             flags |= _FLAG_DEVICE_FAILED
@@ -717,8 +567,8 @@ class Engine:
             if timeline is not None and state.set_id == 0:
                 self._trace_cached_negotiation(timeline, state, items, flags_any)
             self._execute(state, items)
-            self._progress = True
-        self._idle_cycles = 0 if self._progress or self._has_work() else self._idle_cycles + 1
+            self.progress = True
+        self.idle_cycles = 0 if self.progress or self.has_work() else self.idle_cycles + 1
 
         if flags_any & _FLAG_UNCACHED:
             return self._negotiate(state, now)
@@ -730,7 +580,7 @@ class Engine:
         stops there, so none waits out a timeout on one whose engine stopped."""
         try:
             if state.executor.poll_device():
-                self._progress = True
+                self.progress = True
         except HorovodInternalError as exc:
             if self._device_failure is None:
                 self._device_failure = exc
@@ -806,7 +656,7 @@ class Engine:
                 request = state.awaiting.pop(response.name, None)
             items.append(Item(response, request))
         if items:
-            self._progress = True
+            self.progress = True
             self._execute(state, items)
         return False
 

@@ -4,16 +4,16 @@ hora needs only streams, events, device memory and asynchronous copies; it never
 of its own (scaling runs inside NCCL as a pre-multiplied Sum). hora's own waits on the GPU ask
 ``cudaEventQuery`` (:meth:`CudaApi.event_query`) in a loop with a deadline rather than block in
 ``cudaEventSynchronize``: an NCCL kernel whose peer died never finishes, and a wait that cannot end
-would hide that from the code that can abort it (see :mod:`hora.nccl.ops`). :class:`CudaApi` names those calls;
-:class:`CudaRuntime` makes them on ``libcudart`` (the ``nvidia-cuda-runtime-cu12`` wheel, or the
-system's), and tests drive :mod:`hora.nccl.ops` through a recording implementation of the same
-protocol, so the ordering logic is checked on machines without a GPU.
+would hide that from the code that can abort it (see :mod:`hora.nccl.ops`). :class:`CudaApi` names
+those calls; :class:`CudaRuntime` makes them on ``libcudart`` (the one the process already loaded, a
+CUDA 13 or 12 runtime wheel matching NCCL's, or the system's: :mod:`hora.nccl.loader`), and tests
+drive :mod:`hora.nccl.ops` through a recording implementation of the same protocol, so the ordering
+logic is checked on machines without a GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Protocol
 
 from hora.errors import HoraError
@@ -54,12 +54,15 @@ class CudaApi(Protocol):
 
 
 def candidate_paths() -> list[str]:
-    return loader.candidates(LIBRARY_KNOB, "cuda_runtime", ("libcudart.so.12", "libcudart.so"))
+    """Where libcudart may be, in the order tried (see :mod:`hora.nccl.loader`): the env override, a runtime
+    already loaded into this process, the runtime wheels and then the system's names, each with the CUDA
+    major that matches NCCL's first."""
+    return [candidate.path for step in loader.cudart_steps() for candidate in step.candidates]
 
 
-@functools.lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    return loader.load_first(candidate_paths(), "CUDA runtime library", LIBRARY_ENV)
+    """The loaded runtime and its file, or ``(None, reason)``; searched once per process by the loader."""
+    return loader.cudart_search().outcome()
 
 
 def runtime_installed() -> bool:

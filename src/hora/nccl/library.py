@@ -1,19 +1,17 @@
 """The NCCL library through ctypes: finding it, its version, and typed entry points.
 
 hora binds NCCL directly with ctypes rather than through a compiled extension: the library is the
-``nvidia-nccl-cu12`` wheel's ``libnccl.so.2`` (the same wheel PyTorch's CUDA builds depend on, so a
-GPU install of torch already has it) or a system NCCL. ``ncclGetVersion`` and ``ncclGetUniqueId``
-need no GPU, so :func:`nccl_version` (and ``nccl_built()``) report the real version on a CPU-only
-machine whenever the library is installed.
-
-``HORA_NCCL_LIBRARY`` names a library file explicitly (a site NCCL build, say).
+``nvidia-nccl-cu13`` or ``-cu12`` wheel's ``libnccl.so.2`` (the wheels PyTorch's CUDA builds depend
+on, so a GPU install of torch already has one), an NCCL the process already loaded, or a system NCCL
+(:mod:`hora.nccl.loader` has the order; ``HORA_NCCL_LIBRARY`` names a file explicitly, a site NCCL
+build, say). ``ncclGetVersion`` and ``ncclGetUniqueId`` need no GPU, so :func:`nccl_version` (and
+``nccl_built()``) report the real version on a CPU-only machine whenever the library is installed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
-import functools
 from typing import Any
 
 import numpy as np
@@ -107,14 +105,14 @@ def nccl_op(op: ReduceOp) -> RedOp:
 
 
 def candidate_paths() -> list[str]:
-    """Where libnccl may be, in the order tried: the env override, the NVIDIA wheel, the system loader."""
-    return loader.candidates(LIBRARY_KNOB, "nccl", ("libnccl.so.2",))
+    """Where libnccl may be, in the order tried (see :mod:`hora.nccl.loader`): the env override, the NVIDIA
+    wheel, an NCCL a framework already loaded into this process, the system loader."""
+    return [candidate.path for step in loader.nccl_steps() for candidate in step.candidates]
 
 
-@functools.lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded library and where it came from, or ``(None, reason)``."""
-    return loader.load_first(candidate_paths(), "NCCL library", LIBRARY_ENV)
+    """The loaded library and its file, or ``(None, reason)``; searched once per process by the loader."""
+    return loader.nccl_search().outcome()
 
 
 def load() -> ctypes.CDLL:
@@ -126,6 +124,7 @@ def load() -> ctypes.CDLL:
 
 
 def library_path() -> str | None:
+    """The file of the NCCL this process uses (the dynamic loader's choice, where a bare name was asked for)."""
     lib, where = _load()
     return where if lib is not None else None
 
@@ -152,7 +151,8 @@ def nccl_status() -> tuple[bool, str]:
     """Whether the device path can run here, and why (or why not), for ``hora check``."""
     code = nccl_version()
     if not code:
-        return False, _load()[1]
+        lib, where = _load()
+        return False, where if lib is None else f"{where}: ncclGetVersion failed (not an NCCL library?)"
     from hora.nccl import cudart
 
     usable, why = cudart.cuda_status()

@@ -82,21 +82,27 @@ def binding_lines() -> list[str]:
 
 
 def nccl_lines() -> list[str]:
-    """Whether CUDA tensors can use NCCL here, and why not (no library, no driver, no GPU, HORA_NCCL=off)."""
+    """Whether CUDA tensors can use NCCL here, and why not (no library, no driver, no GPU, HORA_NCCL=off);
+    then which NCCL and CUDA runtime files were loaded, or every place tried (:mod:`hora.nccl.loader`)."""
     try:
-        from hora.nccl.library import decode_version, nccl_status, nccl_version
+        from hora.nccl.library import decode_version, library_path, nccl_status, nccl_version
+        from hora.nccl.loader import report_lines as library_lines
         from hora.nccl.path import parse_mode
 
         code = nccl_version()
         usable, why = nccl_status()
+        found = library_lines(decode_version(code) if code else None)
     except Exception as exc:  # a broken install is exactly what check must show
         return [f"NCCL (GPU tensors): no (hora.nccl does not load: {exc})"]
     try:
         mode = parse_mode(config.get("nccl"))
     except ValueError as exc:
         return [f"NCCL (GPU tensors): HORA_NCCL is invalid: {exc}"]
+    if library_path() is None:
+        why = "no NCCL library found: the places tried are below"
     built = f"NCCL {decode_version(code)}, nccl_built() == {code}" if code else "not installed, nccl_built() == 0"
     lines = [f"NCCL (GPU tensors): {built}; usable: {'yes' if usable and mode != 'off' else 'no'} ({why})"]
+    lines += [f"  {line}" for line in found]
     if mode == "off":
         lines.append("  HORA_NCCL=off: CUDA tensors are copied through host memory")
     elif not usable:
