@@ -4,8 +4,9 @@
 of an ``IndexedSlices`` all do: compress the dense gradients, reduce every gradient of the list in
 one engine round (dense ones allreduced, in Horovod's groups if any, else, for the gradient
 wrappers, flattened into buckets of :mod:`hora.gradient_buckets` with one request each; sparse ones
-gathered as values and indices, or densified with ``sparse_as_dense``), decompress. One ``tf.numpy_function`` per list
-keeps the ranks in step inside ``tf.function`` (see :mod:`hora.tensorflow.tensors`).
+gathered as values and indices, or densified with ``sparse_as_dense``), decompress. One op per list
+keeps the ranks in step inside ``tf.function`` (see :mod:`hora.tensorflow.tensors`). A list of dense
+GPU gradients goes to NCCL in place, with the same names and groups (:mod:`hora.tensorflow.device`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hora import basics, batched, gradient_buckets, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
+from hora.tensorflow import device
 from hora.tensorflow.tensors import collective_name, leading_unknown, run_numpy, to_tensor
 
 
@@ -105,8 +107,24 @@ def allreduce_list(grads: Sequence[Any], names: Sequence[str | None], reduction:
             out += [values, indices]
         return out
 
+    def on_device(*tensors: tf.Tensor) -> list[tf.Tensor] | None:
+        """The dense gradients and buckets on NCCL, named and grouped as ``body`` sends them (a list with
+        sparse gradients goes through the host as a whole)."""
+        if sparse_at:
+            return None
+        dense_tensors: list[tf.Tensor | None] = [None] * (count + len(plan))
+        for k, i in enumerate(loose):
+            dense_tensors[i] = tensors[k]
+        for b in range(len(plan)):
+            dense_tensors[count + b] = tensors[len(loose) + b]
+        results = device.reduce_gradients(dense_tensors, all_names, reduction, groups)
+        if results is None:
+            return None
+        return [results[i] for i in loose] + [results[count + b] for b in range(len(plan))]
+
     recorded = base if base is not None else next((n for n in names if n is not None), None)
-    outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients", collective=recorded)
+    outputs = run_numpy(body, inputs, dtypes, shapes, name="HoraAllreduceGradients", collective=recorded,
+                        on_device=on_device)
     result = list(grads)
     with tf.device(device_dense):
         for k, i in enumerate(loose):

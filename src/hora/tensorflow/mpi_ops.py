@@ -27,6 +27,7 @@ from hora.basics import Average, ProcessSet, Sum, global_process_set
 from hora.compression import Compression
 from hora.engine.request import Kind
 from hora.horovod_args import GradientReduction, check_sum_or_average, resolve_op
+from hora.tensorflow import device
 from hora.tensorflow.gradients import allreduce_list
 from hora.tensorflow.tensors import collective_name, graph_mode, leading_unknown, run_numpy, to_tensor
 
@@ -60,7 +61,11 @@ def _allreduce_many(tensors: Sequence[tf.Tensor], name: str | None, op: int, pre
                 return collectives.grouped_allreduce(list(arrays), None, name, op, pre, post, process_set)
             return [collectives.allreduce(arrays[0], None, name, op, pre, post, process_set)]
 
-        ys = run_numpy(body, xs, [x.dtype for x in xs], [x.shape for x in xs], name=label, collective=name)
+        def on_device(*tensors):
+            return device.allreduce(tensors, name, op, pre, post, process_set, grouped)
+
+        ys = run_numpy(body, xs, [x.dtype for x in xs], [x.shape for x in xs], name=label, collective=name,
+                       on_device=on_device)
 
         def grad(*dys):
             return _allreduce_many([_upstream(d, x) for d, x in zip(dys, xs)], None, op, pre, post, process_set,
@@ -157,8 +162,11 @@ def _allgather_many(tensors: Sequence[tf.Tensor], name: str | None, process_set:
                 return collectives.grouped_allgather(list(arrays), name, process_set)
             return [collectives.allgather(arrays[0], name, process_set)]
 
+        def on_device(*tensors):
+            return device.allgather(tensors, name, process_set, grouped)
+
         ys = run_numpy(body, xs, [x.dtype for x in xs], [leading_unknown(x.shape) for x in xs], name=label,
-                       collective=name)
+                       collective=name, on_device=on_device)
 
         def grad(*dys):
             return _gather_grad([_upstream(d, y) for d, y in zip(dys, ys)], xs, process_set)
@@ -191,7 +199,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     @tf.custom_gradient
     def forward(x):
         y = run_numpy(lambda a: [collectives.broadcast(a, root_rank, name, process_set)], [x], [x.dtype], [x.shape],
-                      name="HoraBroadcast", collective=name)[0]
+                      name="HoraBroadcast", collective=name,
+                      on_device=lambda t: device.broadcast(t, root_rank, name, process_set))[0]
 
         def grad(dy):
             averaged = _allreduce_many([_upstream(dy, y)], None, Average, 1.0, 1.0, process_set, False)[0]
@@ -247,10 +256,14 @@ def _alltoall(x: tf.Tensor, splits: tf.Tensor | None, name: str | None, process_
 
     def body(array, split_array=None):
         output, received = collectives.alltoall_async(array, split_array, name, process_set).wait()
-        return [output, np.asarray(received, np.int32)]
+        return [output, np.asarray(received, np.int64)]
 
-    return run_numpy(body, inputs, [x.dtype, tf.int32], [leading_unknown(x.shape), [len(process_set.ranks)]],
-                     name="HoraAlltoall", collective=name)
+    # The received counts travel as int64 and are cast after: a tf.py_function with an int32 output
+    # has no GPU kernel, so TensorFlow would run it on the CPU, with host copies of the rows.
+    shapes = [leading_unknown(x.shape), [len(process_set.ranks)]]
+    output, received = run_numpy(body, inputs, [x.dtype, tf.int64], shapes, name="HoraAlltoall", collective=name,
+                                 on_device=lambda t, s=None: device.alltoall(t, s, name, process_set))
+    return output, tf.cast(received, tf.int32)
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
@@ -298,8 +311,11 @@ def _reducescatter_many(tensors: Sequence[tf.Tensor], name: str | None, op: int,
                 return collectives.grouped_reducescatter(list(arrays), name, op, process_set, pre, post)
             return [collectives.reducescatter(arrays[0], name, op, process_set, pre, post)]
 
+        def on_device(*tensors):
+            return device.reducescatter(tensors, name, op, pre, post, process_set, grouped)
+
         ys = run_numpy(body, xs, [x.dtype for x in xs], [_scatter_shape(x, process_set) for x in xs],
-                       name=label, collective=name)
+                       name=label, collective=name, on_device=on_device)
 
         def grad(*dys):
             # Horovod's convention: gather the blocks' gradients, scaled as the forward pass scaled

@@ -2,11 +2,17 @@
 TensorFlow 1 graphs run by a ``tf.compat.v1.Session``.
 
 Every hora.tensorflow collective is one Python function on NumPy arrays (it submits to the engine
-and waits). Eagerly, :func:`run_numpy` calls it on the tensors' values at once. While a
-``tf.function`` is being traced it becomes one ``tf.numpy_function`` op, marked stateful: TensorFlow
-then never prunes it, and its automatic control dependencies run such ops in program order, the
-same order on every rank, so ranks cannot each block on a different collective. Shapes that are
-known statically are set on the outputs so the rest of the graph keeps its shape information.
+and waits), and most also have a device form on EagerTensors (:mod:`hora.tensorflow.device`: GPU
+tensors to NCCL in place, or None when they take the host path). Eagerly, :func:`run_numpy` calls the
+device form, else the NumPy one on the tensors' values, at once. While a ``tf.function`` is being
+traced the call becomes one op, marked stateful: TensorFlow then never prunes it, and its automatic
+control dependencies run such ops in program order, the same order on every rank, so ranks cannot
+each block on a different collective. Where TensorFlow has a CUDA device (and ``HORA_NCCL`` is not
+off) that op is a ``tf.py_function``: TensorFlow places it on the GPU when its dtypes allow (not
+int32), hands its body EagerTensors in GPU memory and takes GPU tensors back, so the same eager
+choice runs inside the graph with no host copy. Elsewhere it is a ``tf.numpy_function``, whose body
+gets host copies (a CPU kernel only). Shapes that are known statically are set on the outputs so the
+rest of the graph keeps its shape information.
 
 A TensorFlow 1 graph has no such control dependencies: its executor runs independent ops in any
 order, on a few threads, and the order differs between ranks. Two things follow. An unnamed
@@ -16,7 +22,8 @@ graph. And a collective must not hold one of the executor's threads while it wai
 with more collectives ready than threads, each rank could fill its threads with collectives the
 other ranks have not reached, which they never will. So in such a graph the function runs behind a
 ``tf.data`` iterator, whose ``IteratorGetNext`` is an asynchronous kernel: it hands the call to a
-thread of its own and frees the executor's thread, and every ready collective gets submitted.
+thread of its own and frees the executor's thread, and every ready collective gets submitted. Such a
+graph always takes the host path: the tf.data pipeline runs on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from hora.errors import CollectivePreconditionError, HoraError
+from hora.tensorflow import device
 from hora.tensorflow.error_types import HoraFailedPreconditionError
 
 SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.uint16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
@@ -135,10 +143,10 @@ def _asynchronous_op(graph_body: Callable[..., list[np.ndarray]], inputs: Sequen
                                                    output_shapes=shapes))
 
 
-def _with_horovod_error_types(body: Callable[..., Sequence[np.ndarray]]) -> Callable[..., Sequence[np.ndarray]]:
+def _with_horovod_error_types(body: Callable[..., Any]) -> Callable[..., Any]:
     """``body`` raising a cross-rank disagreement as ``tf.errors.FailedPreconditionError`` (Horovod's
     type; in a graph, see :mod:`hora.tensorflow.error_types`)."""
-    def checked(*arrays: np.ndarray) -> Sequence[np.ndarray]:
+    def checked(*arrays: Any) -> Any:
         try:
             return body(*arrays)
         except CollectivePreconditionError as error:
@@ -148,21 +156,38 @@ def _with_horovod_error_types(body: Callable[..., Sequence[np.ndarray]]) -> Call
     return checked
 
 
+#: A collective's device form: its results as TensorFlow tensors, or None for the host path.
+DeviceBody = Callable[..., Sequence[tf.Tensor] | None]
+
+
+def _eager_call(body: Callable[..., Sequence[np.ndarray]], on_device: DeviceBody | None,
+                tensors: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType]) -> list[tf.Tensor]:
+    """The collective on EagerTensors: its device form when it takes them, else ``body`` on host copies."""
+    if on_device is not None:
+        results = on_device(*tensors)
+        if results is not None:
+            return list(results)
+    results = body(*[t.numpy() for t in tensors])
+    return [tf.convert_to_tensor(np.asarray(r), dtype=d) for r, d in zip(results, out_dtypes)]
+
+
 def run_numpy(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
               out_dtypes: Sequence[tf.DType], out_shapes: Sequence[ShapeLike], name: str = "hora",
-              collective: str | None = None) -> list[tf.Tensor]:
+              collective: str | None = None, on_device: DeviceBody | None = None) -> list[tf.Tensor]:
     """``body(*arrays) -> arrays`` on ``inputs``' values, as tensors of ``out_dtypes``.
 
     Eagerly it runs now (errors are raised here, with their own types); in a graph it is an op that
     runs ``body`` each time the graph runs (errors then surface as ``tf.errors.OpError`` carrying the
     original message), built in name scope ``name``. ``collective``, the name ``body`` gives its
     collective, is recorded on the op as attribute ``_hora_collective`` (for the graph's reader:
-    which op is which collective).
+    which op is which collective). ``on_device(*tensors)``, the same collective on EagerTensors,
+    runs first where given (eagerly, and in a ``tf.function`` staged as a ``tf.py_function``); when
+    it returns None ``body`` runs on host copies instead.
     """
     body = _with_horovod_error_types(body)
+    device_body = None if on_device is None else _with_horovod_error_types(on_device)
     if tf.executing_eagerly():
-        results = body(*[t.numpy() for t in inputs])
-        return [tf.convert_to_tensor(np.asarray(r), dtype=d) for r, d in zip(results, out_dtypes)]
+        return _eager_call(body, device_body, inputs, out_dtypes)
     _refuse_xla()
 
     def graph_body(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -173,7 +198,11 @@ def run_numpy(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Ten
         with tf.name_scope(name):
             outputs = _asynchronous_op(graph_body, inputs, out_dtypes, out_shapes)
     else:
-        outputs = tf.numpy_function(graph_body, list(inputs), list(out_dtypes), stateful=True, name=name)
+        if device_body is not None and device.stages_on_device():
+            outputs = tf.py_function(lambda *ts: _eager_call(body, device_body, ts, out_dtypes), list(inputs),
+                                     list(out_dtypes), name=name)
+        else:
+            outputs = tf.numpy_function(graph_body, list(inputs), list(out_dtypes), stateful=True, name=name)
         if not isinstance(outputs, (list, tuple)):
             outputs = [outputs]
         for output, shape in zip(outputs, out_shapes):
