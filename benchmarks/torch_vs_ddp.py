@@ -137,7 +137,7 @@ class EngineCpuMeter:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.clock = time.pthread_getcpuclockid(engine._thread.ident)
+        self.clock = time.pthread_getcpuclockid(engine.thread.ident)
         self.seconds = {"driver": 0.0, "transport": 0.0, "scale": 0.0}
         self.calls = {"driver": 0, "transport": 0, "cycles": 0, "scale": 0}
         self.on = False
@@ -150,13 +150,13 @@ class EngineCpuMeter:
         from hora.engine import executor
 
         self._wrap(executor, ("_scale",), "scale")  # Average's division: one pass over every bucket
-        iterate = engine._iterate
+        iterate = engine.iterate
 
         def counted() -> None:
             if self.on:
                 self.calls["cycles"] += 1
             iterate()
-        engine._iterate = counted
+        engine.iterate = counted
 
     def _wrap(self, obj: Any, names: tuple[str, ...], key: str) -> None:
         clock = time.thread_time

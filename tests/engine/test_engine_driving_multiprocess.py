@@ -69,7 +69,7 @@ def _driving_job() -> dict[str, Any]:
     except RuntimeError as exc:
         out["mismatch"] = str(exc)
     out["after"] = hora.allreduce(np.full(2, float(r)), op=hora.Sum, name="after").tolist()
-    out["engine_thread_alive"] = basics.engine()._pacer.thread.is_alive()
+    out["engine_thread_alive"] = basics.engine().thread.is_alive()
     out["size"] = n
     hora.shutdown()
     return out

@@ -399,6 +399,11 @@ class Engine:
 
     # ---- the cycle ----------------------------------------------------------------------------
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The background thread that runs cycles nobody waits on (its CPU clock is what benchmarks read)."""
+        return self._pacer.thread
+
     def drive(self, handle: Handle) -> None:
         """Run cycles in a thread that waits on ``handle`` until it completes (:meth:`Pacer.drive`)."""
         self._pacer.drive(handle)
