@@ -157,7 +157,11 @@ def step_killed_peer(out: str, gpu: dict[str, Any]) -> dict[str, Any]:
         records = {}
         for rank in (0, 1):
             path = os.path.join(folder, f"rank{rank}.json")
-            records[rank] = json.load(open(path)) if os.path.exists(path) else None
+            if os.path.exists(path):
+                with open(path) as handle:
+                    records[rank] = json.load(handle)
+            else:
+                records[rank] = None
     victim, survivor = records[1], records[0]
     delay = (survivor["raised_at"] - victim["died_at"]
              if survivor and victim and survivor.get("raised_at") else None)

@@ -86,25 +86,13 @@ def device_buffer(array: jax.Array) -> DeviceBuffer:
     return dataclasses.replace(buffer, device_type=kind, device_id=index, dtype=np.dtype(array.dtype))
 
 
-class Allocator:
-    """New jax.Arrays for results, on the input's device and memory kind, with their buffers
-    (``hora.nccl.dispatch.Allocate``). :meth:`prepare` makes the input-shaped one ahead of time."""
+class Allocator(submit.PreparedAllocator):
+    """New jax.Arrays for results, on the input's device and memory kind, with their buffers."""
 
     def __init__(self, like: jax.Array) -> None:
+        super().__init__(tuple(like.shape))
         self.sharding = like.sharding
         self.dtype = np.dtype(like.dtype)
-        self.shape = tuple(like.shape)
-        self._ready: tuple[jax.Array, DeviceBuffer] | None = None
-
-    def prepare(self) -> None:
-        """Make the result of the input's shape now, in the calling thread (see the module docstring)."""
-        self._ready = self._make(self.shape)
-
-    def __call__(self, shape: tuple[int, ...]) -> tuple[jax.Array, DeviceBuffer]:
-        ready, self._ready = self._ready, None
-        if ready is not None and tuple(shape) == self.shape:
-            return ready
-        return self._make(tuple(shape))
 
     def _make(self, shape: tuple[int, ...]) -> tuple[jax.Array, DeviceBuffer]:
         out = jax.numpy.empty(shape, self.dtype, device=self.sharding)

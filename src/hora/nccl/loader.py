@@ -250,19 +250,25 @@ def nccl_search() -> Search:
 # --- the CUDA runtime ------------------------------------------------------------------------------------
 
 
+def _version_code(lib: ctypes.CDLL, function: str) -> int | None:
+    """A CUDA ``...GetVersion(int *)`` call's code (``13000`` for 13.0), or None where it is missing or fails."""
+    code = ctypes.c_int()
+    try:
+        if getattr(lib, function)(ctypes.byref(code)) != 0 or code.value <= 0:
+            return None
+    except AttributeError:
+        return None
+    return code.value
+
+
 def driver_cuda_major() -> int | None:
     """The newest CUDA major the installed driver runs (``cuDriverGetVersion``; needs no GPU, no cuInit)."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    version = ctypes.c_int()
-    try:
-        if driver.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
-            return None
-    except AttributeError:
-        return None
-    return version.value // 1000
+    code = _version_code(driver, "cuDriverGetVersion")
+    return None if code is None else code // 1000
 
 
 def preferred_cuda_major() -> tuple[int | None, str]:
@@ -323,13 +329,8 @@ def cudart_search() -> Search:
 
 def cudart_version(lib: ctypes.CDLL) -> str | None:
     """``cudaRuntimeGetVersion`` as ``"13.0"``; needs no GPU."""
-    code = ctypes.c_int()
-    try:
-        if lib.cudaRuntimeGetVersion(ctypes.byref(code)) != 0 or code.value <= 0:
-            return None
-    except AttributeError:
-        return None
-    return f"{code.value // 1000}.{code.value % 1000 // 10}"
+    code = _version_code(lib, "cudaRuntimeGetVersion")
+    return None if code is None else f"{code // 1000}.{code % 1000 // 10}"
 
 
 def report_lines(nccl_version: str | None) -> list[str]:

@@ -49,6 +49,33 @@ def array_api_allocator(tensor: Any) -> Allocate | None:
     return allocate
 
 
+class PreparedAllocator:
+    """Makes a stream-less framework's results (``hora.nccl.dispatch.Allocate``). The input-shaped one
+    (allreduce, broadcast) can be made ahead in the caller's thread (:meth:`prepare`), where the
+    framework's thread-local settings and the call's one device sync apply; results whose shape
+    negotiation decides are made when the engine asks. A binding supplies :meth:`_make`."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+        self._ready: tuple[Any, DeviceBuffer] | None = None
+
+    def prepare(self) -> None:
+        self._ready = self._make(self.shape)
+
+    def __call__(self, shape: tuple[int, ...]) -> tuple[Any, DeviceBuffer]:
+        ready, self._ready = self._ready, None
+        if ready is not None and tuple(shape) == self.shape:
+            return ready
+        return self._made_by_engine(self._make(tuple(shape)))
+
+    def _made_by_engine(self, made: tuple[Any, DeviceBuffer]) -> tuple[Any, DeviceBuffer]:
+        """A result made in the engine's thread, before NCCL writes into it."""
+        return made
+
+    def _make(self, shape: tuple[int, ...]) -> tuple[Any, DeviceBuffer]:
+        raise NotImplementedError
+
+
 def cuda_request(kind: Kind, tensor: Any, name: str | None, process_set: ProcessSet, *,
                  op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0, root: int = -1,
                  splits: tuple[int, ...] = (), group: str = "", group_size: int = 0, inplace: bool = False,

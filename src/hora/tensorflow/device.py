@@ -145,26 +145,17 @@ def device_buffer(tensor: tf.Tensor) -> DeviceBuffer:
                                dtype=np.dtype(tensor.dtype.as_numpy_dtype), keepalive=(capsule, tensor))
 
 
-class Allocator:
-    """New TensorFlow tensors for results, on the input's device (``hora.nccl.dispatch.Allocate``).
-    :meth:`prepare` makes the input-shaped one ahead of time, in the caller's thread."""
+class Allocator(submit.PreparedAllocator):
+    """New TensorFlow tensors for results, on the input's device. The caller syncs once for the whole
+    call after :meth:`prepare`; a result the engine makes is synced here."""
 
     def __init__(self, like: tf.Tensor) -> None:
+        super().__init__(tuple(like.shape))
         self.device = like.backing_device
         self.dtype = like.dtype
-        self.shape = tuple(like.shape)
-        self._ready: tuple[tf.Tensor, DeviceBuffer] | None = None
 
-    def prepare(self) -> None:
-        """Make the result of the input's shape now; the caller syncs once for the whole call."""
-        self._ready = self._make(self.shape)
-
-    def __call__(self, shape: tuple[int, ...]) -> tuple[tf.Tensor, DeviceBuffer]:
-        ready, self._ready = self._ready, None
-        if ready is not None and tuple(shape) == self.shape:
-            return ready
-        made = self._make(tuple(shape))
-        sync(self.device)  # the engine's thread: NCCL writes into it next
+    def _made_by_engine(self, made: tuple[Any, DeviceBuffer]) -> tuple[Any, DeviceBuffer]:
+        sync(self.device)  # NCCL writes into it next
         return made
 
     def _make(self, shape: tuple[int, ...]) -> tuple[tf.Tensor, DeviceBuffer]:
