@@ -130,6 +130,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("mpi_bootstrap", "auto", _parse_str,
          "How a job started by mpirun/srun finds rank 0's rendezvous: auto (mpi4py when usable, else a "
          "file), mpi4py, or file (see mpi_rendezvous_dir).", horovod_alias=False),
+    Knob("mpi_abort_on_exception", True, _parse_bool,
+         "Under MPI, an unhandled exception on one rank aborts the whole MPI job (MPI_Abort) instead of "
+         "leaving the other ranks waiting in their next MPI call.", horovod_alias=False),
     Knob("mpi_rendezvous_dir", None, _parse_str,
          "Directory, shared by every host of the job, where rank 0 of a job started by mpirun/srun "
          "without mpi4py announces its rendezvous (default ~/.hora/rendezvous).", horovod_alias=False),

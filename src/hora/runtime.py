@@ -27,7 +27,12 @@ from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
 from hora.errors import ConfigError, HoraError
-from hora.mpi import bootstrap as mpi_bootstrap, launcher_env, state as mpi_state
+from hora.mpi import (
+    abort_on_exception as mpi_abort_on_exception,
+    bootstrap as mpi_bootstrap,
+    launcher_env,
+    state as mpi_state,
+)
 from hora.nccl.context import DeviceContext
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
@@ -275,6 +280,8 @@ def assemble(comm: Sequence[int] | Any | None, previous: Joined | None) -> Runti
         coordinates = _coordinates(world, topology, me)
         mpi_state.mark_in_use(world.name == "mpi" or (me is not None and mpi_state.base_comm() is not None
                                                       and me.size == mpi_state.base_comm().Get_size()))
+        if mpi_state.base_comm() is not None:
+            mpi_abort_on_exception.install()
         tuning = autotune_config()
 
         def make_communicator(index: int, set_members: list[int], tag: str) -> Communicator:

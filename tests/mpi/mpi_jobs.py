@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,12 +37,37 @@ def mpirun(np: int, args: list[str], extra_env: dict[str, str] | None = None, ti
     ``check``."""
     assert MPIRUN, "mpirun is not installed (apt-get install openmpi-bin)"
     argv = [MPIRUN, "-np", str(np), "--oversubscribe", "--bind-to", "none", *mpirun_args, sys.executable, *args]
-    proc = subprocess.run(argv, cwd=ROOT, env=mpi_env(extra_env), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = _run_job(argv, mpi_env(extra_env), timeout)
     if check:
         assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                                       f"stderr:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def _run_job(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run mpirun in a session of its own: on a time-out the whole job (mpirun and every rank it
+    started) is ended, and the failure shows what the ranks printed. Killing mpirun alone would
+    leave its ranks spinning in MPI calls for the rest of the test run."""
+    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = child.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            out, err = "", ""
+        raise AssertionError(f"{' '.join(argv)} did not end within {timeout:.0f} s (the job was killed)\n"
+                             f"stdout:\n{out[-4000:]}\nstderr:\n{err[-6000:]}") from None
+    return subprocess.CompletedProcess(argv, child.returncode, out, err)
 
 
 def hora_cli(args: list[str], extra_env: dict[str, str] | None = None, timeout: float = 150,

@@ -40,6 +40,9 @@ sets = [hora.add_process_set(hora.ProcessSet([0, 2])), hora.add_process_set(hora
 mine = sets[me % 2]
 say("set_from_comm", hora.ProcessSet(odd).ranks)
 say("set_sum", total(float(me), process_set=mine))
+# Each pair's collective is its own: a pair done first must not shut hora down (which ends it for
+# every rank, as in Horovod) while the other pair's is still pending.
+hora.barrier()
 hora.shutdown()
 
 # 2. init(comm=sub-communicator): each half of the world is a job of 2

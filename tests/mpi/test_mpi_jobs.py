@@ -164,3 +164,25 @@ def test_under_plain_mpirun_a_dead_rank_ends_the_job_promptly(tmp_path: Path) ->
     assert proc.returncode != 0 and time.monotonic() - started < 150
     assert "exited on signal 9" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert _survivor_records(tmp_path, proc), f"no survivor raised before mpirun ended the job:\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.timeout(200)
+def test_an_unhandled_exception_on_one_rank_aborts_the_mpi_job() -> None:
+    """Rank 0 waits in MPI_Barrier for rank 1, which raised: without the abort mpirun never ends."""
+    started = time.monotonic()
+    proc = mpirun(2, [str(HERE / "mpi_raise_script.py"), "wait"], check=False, timeout=120)
+    took = time.monotonic() - started
+    err = proc.stderr
+    assert proc.returncode != 0 and took < 60, f"exit {proc.returncode} after {took:.0f} s\n{err[-3000:]}"
+    assert "ValueError: raised on purpose by rank 1" in err, err[-3000:]  # the traceback comes first
+    assert re.search(r"hora: MPI rank 1 on \S+ ended with an unhandled exception \(ValueError: raised on "
+                     r"purpose by rank 1\); aborting the MPI job", err), err[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_hora_mpi_abort_on_exception_0_keeps_mpis_default() -> None:
+    proc = mpirun(2, [str(HERE / "mpi_raise_script.py"), "leave"], {"HORA_MPI_ABORT_ON_EXCEPTION": "0"},
+                  check=False, timeout=120)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "ValueError: raised on purpose by rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "aborting the MPI job" not in proc.stderr and "MPI_ABORT" not in proc.stderr, proc.stderr[-3000:]

@@ -423,8 +423,9 @@ class Engine:
                 tuner.end_sample()  # the same cycle on every rank: they executed the same operations
             if stop:
                 self.stop(HorovodInternalError(
-                    "hora was shut down (a rank called shutdown() or exited) while this "
-                    "collective was pending"), orderly=True)
+                    f"rank {self.global_rank}: hora was shut down (a rank called shutdown() or exited) while "
+                    "this collective was pending: every rank must finish its collectives, on every process "
+                    "set, before any rank shuts down"), orderly=True)
         except HorovodInternalError as exc:
             logger.error("%s", exc)  # the message already names the rank
             self.stop(exc)
