@@ -14,11 +14,11 @@ import numpy as np
 
 from hora import basics
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
+from hora.device_requests import cuda_request, is_cuda
 from hora.engine import adasum
 from hora.engine.executor import reducescatter_rows
 from hora.engine.request import Handle, Kind, Request, dtype_name, signature
 from hora.horovod_args import check_sum_or_average, resolve_op
-from hora.nccl.submit import cuda_request, is_cuda
 from hora.transport.base import SUPPORTED_DTYPES
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)

@@ -27,19 +27,14 @@ from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
 from hora.errors import ConfigError, HoraError
-from hora.mpi import (
-    abort_on_exception as mpi_abort_on_exception,
-    bootstrap as mpi_bootstrap,
-    launcher_env,
-    state as mpi_state,
-)
+from hora.mpi import abort_on_exception as mpi_abort_on_exception, bootstrap as mpi_bootstrap, launcher_env
 from hora.nccl.context import DeviceContext
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import RendezvousServer
 from hora.runner import identity
-from hora.transport import create_communicator, world as world_formation
+from hora.transport import create_communicator, mpi_world as mpi_state, world as world_formation
 from hora.transport.base import Communicator
 from hora.transport.topology import Topology
 

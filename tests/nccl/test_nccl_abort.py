@@ -71,9 +71,8 @@ def _kill_job(tmpdir: str, mode: str) -> None:
     framework's own GPU sync is what would hang; the next hora call raises."""
     import signal
 
-    from hora import collectives
+    from hora import collectives, device_requests as submit
     from hora.engine.request import Kind
-    from hora.nccl import submit
 
     cuda, nccl, HostCudaArray = _emulated()
     hora.init()

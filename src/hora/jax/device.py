@@ -1,7 +1,7 @@
-"""GPU jax.Arrays onto NCCL: what hora.jax adds to the shared rule in :mod:`hora.nccl.submit`.
+"""GPU jax.Arrays onto NCCL: what hora.jax adds to the shared rule in :mod:`hora.device_requests`.
 
 A jax.Array on one CUDA device is read in place through DLPack (``x.__dlpack__()``: its pointer,
-no host copy) and submitted as a device request; :mod:`hora.nccl.submit` then decides, as for every
+no host copy) and submitted as a device request; :mod:`hora.device_requests` then decides, as for every
 binding, whether NCCL carries it (``HORA_NCCL``, the dtype, the op) or it takes the host path.
 
 JAX differs from torch in three ways that shape this module:
@@ -30,10 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from hora import device_requests as submit
 from hora.basics import ProcessSet
 from hora.engine.request import Kind, Request
 from hora.jax.arrays import is_concrete, where
-from hora.nccl import submit
 from hora.nccl.device_tensor import DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED, DL_ROCM, DeviceBuffer, from_dlpack
 
 _CUDA_KINDS = (DL_CUDA, DL_CUDA_MANAGED)

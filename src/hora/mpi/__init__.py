@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from hora.mpi import state
+from hora.transport import mpi_world as state
 
 
 def built() -> bool:

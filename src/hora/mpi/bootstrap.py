@@ -36,11 +36,11 @@ from typing import Any
 
 from hora import config
 from hora.errors import HoraError
-from hora.mpi import state
 from hora.mpi.launcher_env import LauncherIdentity
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.server import RendezvousServer
 from hora.runner.identity import WorkerIdentity
+from hora.transport import mpi_world as state
 
 logger = logging.getLogger("hora")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hora.mpi import state
+from hora.transport import mpi_world as state
 
 
 def world_ranks(comm: Any) -> list[int]:

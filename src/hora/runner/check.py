@@ -14,9 +14,9 @@ import importlib.util
 import platform
 import sys
 
-import hora
 from hora import config
 from hora.errors import ConfigError
+from hora.version import __version__
 
 # Registry names in hora.transport and how to present them.
 _TRANSPORT_LABELS = {"tcp": "tcp ring"}
@@ -115,7 +115,7 @@ def nccl_lines() -> list[str]:
 def report_lines() -> list[str]:
     """The whole report, ready to print."""
     lines = [
-        f"hora {hora.__version__}",
+        f"hora {__version__}",
         f"Python {platform.python_version()} ({sys.executable})",
         f"Platform {platform.platform()}",
     ]

@@ -1,8 +1,8 @@
-"""GPU TensorFlow tensors onto NCCL: what hora.tensorflow adds to the shared rule in :mod:`hora.nccl.submit`.
+"""GPU TensorFlow tensors onto NCCL: what hora.tensorflow adds to the shared rule in :mod:`hora.device_requests`.
 
 A concrete tensor (an EagerTensor: eagerly, or inside the Python body of a ``tf.py_function``) whose
 memory is on a CUDA GPU is read in place through DLPack (``tf.experimental.dlpack.to_dlpack``: its
-pointer, no host copy) and submitted as a device request; :mod:`hora.nccl.submit` then decides, as
+pointer, no host copy) and submitted as a device request; :mod:`hora.device_requests` then decides, as
 for every binding, whether NCCL carries it (``HORA_NCCL``, the dtype, the op) or it takes the host
 path. The callers (:mod:`hora.tensorflow.mpi_ops`, :mod:`hora.tensorflow.gradients`) fall back to
 the host path when any tensor of a call cannot go, so a group stays one unit.
@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hora import basics, collectives, config
+from hora import basics, collectives, config, device_requests as submit
 from hora.basics import ProcessSet
 from hora.engine.request import Kind, Request
 from hora.horovod_args import GradientReduction, partition
-from hora.nccl import context, submit
+from hora.nccl import context
 from hora.nccl.device_tensor import DL_CPU, DL_CUDA, DL_CUDA_MANAGED, DL_ROCM, DeviceBuffer, from_dlpack_capsule
 from hora.nccl.path import DEVICE, choose_path, parse_mode
 from hora.transport.base import ReduceOp

@@ -1,4 +1,4 @@
-"""CUDA torch tensors onto NCCL: what hora.torch adds to the shared rule in :mod:`hora.nccl.submit`.
+"""CUDA torch tensors onto NCCL: what hora.torch adds to the shared rule in :mod:`hora.device_requests`.
 
 torch supplies the two things the shared rule cannot know: the current CUDA stream of the tensor's
 device (hora's collectives are ordered after it, and it waits for them, so the caller never waits
@@ -14,9 +14,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from hora import device_requests as submit
 from hora.basics import ProcessSet
 from hora.engine.request import Kind, Request
-from hora.nccl import submit
 from hora.nccl.device_tensor import DL_CUDA, DeviceBuffer
 
 

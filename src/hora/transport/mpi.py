@@ -36,9 +36,9 @@ import numpy as np
 
 from hora import config
 from hora.errors import PeerFailureError, TransportError
-from hora.mpi import state
 from hora.rendezvous.auth import secret_bytes
 from hora.rendezvous.client import RendezvousClient
+from hora.transport import mpi_world as state
 from hora.transport.base import (
     MemberCommunicator,
     ReduceOp,
