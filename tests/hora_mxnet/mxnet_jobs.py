@@ -114,6 +114,7 @@ def collectives() -> list:
             "sparse_in_group": _error(lambda: hvd.grouped_allreduce([dense, dense.tostype("row_sparse")])),
             "sparse_broadcast_": _error(lambda: hvd.broadcast_(dense.tostype("row_sparse"), 0)),
             "after_sparse": hvd.allreduce(dense, op=hvd.Sum, name="after_sparse").asnumpy(),
+            "bf16": _error(lambda: hvd.Compression.bf16.compress(dense)),
             "mismatch": _error(lambda: hvd.allreduce(mx.nd.ones((2 + r,)), name="mismatch")),
             "mismatch_dtype": _error(lambda: hvd.allreduce(mx.nd.ones(2, dtype="float32" if r else "float64"),
                                                            name="mismatch_dtype")),

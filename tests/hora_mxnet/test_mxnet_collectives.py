@@ -112,3 +112,5 @@ def test_bad_input_errors_on_every_rank_and_the_next_collective_works(jobs, size
         assert "rank 0 has [2], rank 1 has [3]" in got["mismatch"]
         assert got["mismatch_dtype"].startswith("CollectivePreconditionError")
         np.testing.assert_array_equal(got["after_mismatch"], [float(size)] * 2)
+        assert got["bf16"].startswith("UnsupportedOperationError: Compression.bf16: MXNet NDArrays have no "
+                                      "bfloat16 type"), got["bf16"]

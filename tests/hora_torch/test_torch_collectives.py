@@ -304,6 +304,16 @@ def _job_2ranks() -> list:
         return {"y": y, "ints": ints, "compressed_dtype": c.dtype, "back": back,
                 "none_same": nc is x and hvd.Compression.none.decompress(nc, nctx) is x}
 
+    def bf16_compression():
+        # 70000 overflows float16 (inf) and 1e-8 underflows it (0); bfloat16 keeps both magnitudes.
+        x = torch.tensor([1.0001, 70000.0, 1e-8, -3.14159]) * (r + 1)
+        y = hvd.allreduce(x, compression=hvd.Compression.bf16)
+        ints = hvd.allreduce(torch.tensor([r + 1, 3]), op=hvd.Sum, compression=hvd.Compression.bf16)
+        c, ctx = hvd.Compression.bf16.compress(x)
+        half, half_ctx = hvd.Compression.bf16.compress(x.half())
+        return {"y": y, "ints": ints, "compressed_dtype": c.dtype, "back": hvd.Compression.bf16.decompress(c, ctx),
+                "half_unchanged": half.dtype == torch.float16 and half_ctx is None}
+
     def mismatch():
         # Shapes that disagree across ranks: RuntimeError on every rank, and the job goes on.
         try:
@@ -461,6 +471,7 @@ def _job_2ranks() -> list:
         ("reducescatter.variants", reducescatter_variants),
         ("sparse", sparse),
         ("fp16", fp16_compression),
+        ("bf16", bf16_compression),
         ("mismatch", mismatch),
         ("control", control),
         ("grad.allreduce", grad_allreduce),
@@ -787,6 +798,21 @@ def test_sparse_allreduce_async_2ranks(ranks2):
         assert got["sum_is_sparse"]
         assert torch.allclose(got["sum"], dense[0] + dense[1])
         assert torch.allclose(got["avg"], (dense[0] + dense[1]) / 2)
+
+
+def test_bf16_compression_keeps_what_fp16_loses_2ranks(ranks2):
+    """Compression.bf16 (hora's addition): float32 travels as bfloat16 and comes back float32."""
+    x = torch.tensor([1.0001, 70000.0, 1e-8, -3.14159])
+    for r in range(2):
+        got = ranks2.get("bf16", r)
+        mine = x * (r + 1)
+        assert got["compressed_dtype"] == torch.bfloat16
+        assert got["back"].dtype == torch.float32 and torch.equal(got["back"], mine.to(torch.bfloat16).float())
+        assert got["y"].dtype == torch.float32 and torch.isfinite(got["y"]).all()
+        assert torch.allclose(got["y"], x * 1.5, rtol=2 ** -7)  # bfloat16: 8 significant bits
+        assert got["y"][2] > 0  # fp16 would have sent 0
+        assert got["ints"].dtype == torch.int64 and got["ints"].tolist() == [3, 6]
+        assert got["half_unchanged"]
 
 
 def test_fp16_compression_2ranks(ranks2):

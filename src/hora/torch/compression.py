@@ -7,6 +7,6 @@ keeps Horovod's import path (``from horovod.torch.compression import Compression
 
 from __future__ import annotations
 
-from hora.compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from hora.compression import BF16Compressor, Compression, Compressor, FP16Compressor, NoneCompressor
 
-__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
