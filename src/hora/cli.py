@@ -138,7 +138,7 @@ def run_main(argv: Sequence[str]) -> int:
         logger.info("%s", note)
     try:
         if args.use_mpi:
-            from hora.mpi.launch import check_transport
+            from hora.runner.mpi_launch import check_transport
 
             check_transport(knob_environment(args))
         hosts = resolve_hosts(args)
@@ -155,7 +155,7 @@ def run_main(argv: Sequence[str]) -> int:
         logger.info("rank %d on %s: local rank %d of %d, cross rank %d of %d", slot.rank,
                     slot.hostname, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size)
     if args.use_mpi:
-        from hora.mpi.launch import run_job
+        from hora.runner.mpi_launch import run_job
 
         try:
             with job:

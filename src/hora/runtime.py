@@ -1,6 +1,6 @@
 """Where a process's hora runtime is assembled and taken apart.
 
-``init()`` needs, in order: the worker's identity (:mod:`hora.runner.identity`), a connection to the
+``init()`` needs, in order: the worker's identity (:mod:`hora.workers.identity`), a connection to the
 job's rendezvous store (or a private store for a script started on its own), a rendezvous round to
 join (:mod:`hora.rendezvous.rounds`), the world's communicator and topology
 (:mod:`hora.transport.world`), and the engine. :func:`assemble` does exactly that and returns a
@@ -27,16 +27,16 @@ from hora.engine.autotune import AutotuneConfig
 from hora.engine.engine import Engine, EngineSettings
 from hora.engine.timeline import Timeline
 from hora.errors import ConfigError, HoraError
-from hora.mpi import abort_on_exception as mpi_abort_on_exception, bootstrap as mpi_bootstrap, launcher_env
+from hora.mpi import abort_on_exception as mpi_abort_on_exception, bootstrap as mpi_bootstrap
 from hora.nccl.context import DeviceContext
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.client import RendezvousClient
 from hora.rendezvous.rounds import Round, StaleRoundError
 from hora.rendezvous.server import RendezvousServer
-from hora.runner import identity
 from hora.transport import create_communicator, mpi_world as mpi_state, world as world_formation
 from hora.transport.base import Communicator
 from hora.transport.topology import Topology
+from hora.workers import identity, launcher_env
 
 logger = logging.getLogger("hora")
 

@@ -21,7 +21,7 @@ from hora.runner.discovery import (
     parse_discovery_output,
 )
 from hora.runner.elastic_launch import DISCOVERY_TIMEOUT_SECONDS, ElasticRequest
-from hora.runner.hosts import Host
+from hora.workers.hosts import Host
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from elastic_job import pid_alive

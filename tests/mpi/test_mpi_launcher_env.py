@@ -14,7 +14,7 @@ import pytest
 from mpi_jobs import mpi_env
 
 from hora.errors import ConfigError
-from hora.mpi.launcher_env import detect
+from hora.workers.launcher_env import detect
 
 
 def test_open_mpi_variables() -> None:

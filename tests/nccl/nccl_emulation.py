@@ -278,8 +278,8 @@ class LoopbackNccl:
 
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int:
         from hora.rendezvous.client import RendezvousClient
-        from hora.runner import identity
         from hora.transport import create_communicator
+        from hora.workers import identity
 
         me = identity.from_environment()
         store = RendezvousClient(me.rendezvous_addr, me.rendezvous_port, me.secret)

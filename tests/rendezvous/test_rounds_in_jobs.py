@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(120)
 def _store():
     """A connection of this worker's own to the job's store, to look at the keys."""
     from hora.rendezvous.client import RendezvousClient
-    from hora.runner.identity import from_environment
+    from hora.workers.identity import from_environment
 
     me = from_environment()
     return RendezvousClient(me.rendezvous_addr, me.rendezvous_port, me.secret), me

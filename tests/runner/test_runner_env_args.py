@@ -10,11 +10,11 @@ import pytest
 from hora import config
 from hora.cli import main
 from hora.errors import ConfigError, HoraError
-from hora.runner.hosts import SlotInfo, parse_hosts
-from hora.runner.identity import WorkerIdentity, from_environment
 from hora.runner.job import Job
 from hora.runner.run_args import build_parser, command_of, knob_environment
 from hora.runner.worker_env import JobContext, worker_environment
+from hora.workers.hosts import SlotInfo, parse_hosts
+from hora.workers.identity import WorkerIdentity, from_environment
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -7,7 +7,8 @@ import socket
 import pytest
 
 from hora.errors import ConfigError
-from hora.runner.hosts import (
+from hora.runner.locality import is_local_host
+from hora.workers.hosts import (
     Host,
     assign_slots,
     default_hosts,
@@ -16,7 +17,6 @@ from hora.runner.hosts import (
     parse_hostfile_text,
     parse_hosts,
 )
-from hora.runner.locality import is_local_host
 
 pytestmark = pytest.mark.timeout(10)
 

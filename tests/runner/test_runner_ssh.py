@@ -18,8 +18,8 @@ import pytest
 
 from hora.errors import ConfigError, LaunchError
 from hora.runner.remote import RemoteTarget, forwarded_environment, remote_command
-from hora.runner.remote_bootstrap import frame, resolve_listen_address
 from hora.runner.ssh import SshOptions, check_reachable
+from hora.workers.remote_bootstrap import frame, resolve_listen_address
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,7 +104,7 @@ def _wrapper(argv, **payload) -> subprocess.Popen:
     """The wrapper as sshd would run it, given its payload on stdin (kept open)."""
     body = {"token": TOKEN, "host": "h", "rank": 0, "argv": argv, "cwd": os.getcwd(),
             "env": {"PYTHONUNBUFFERED": "1"}, "kill_grace": 2.0, **payload}
-    proc = subprocess.Popen([PY, "-m", "hora.runner.remote_bootstrap"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([PY, "-m", "hora.workers.remote_bootstrap"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(frame(json.dumps(body).encode()))
     proc.stdin.flush()

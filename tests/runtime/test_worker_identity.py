@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hora.errors import ConfigError, HoraError
-from hora.runner import identity
 from hora.runtime import identity_for_init
+from hora.workers import identity
 
 FULL = {"HORA_RANK": "1", "HORA_SIZE": "2", "HORA_LOCAL_RANK": "1", "HORA_LOCAL_SIZE": "2",
         "HORA_CROSS_RANK": "0", "HORA_CROSS_SIZE": "1", "HORA_HOSTNAME": "localhost",

@@ -29,7 +29,7 @@ from hora.bench.sweep import (
     size_sweep,
 )
 from hora.errors import HoraError
-from hora.runner import identity
+from hora.workers import identity
 
 COLUMNS = (
     # (header, row key, width, format)

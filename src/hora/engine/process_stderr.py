@@ -13,15 +13,20 @@ import logging
 import os
 
 
+def write_to_process_stderr(text: str) -> None:
+    """Write ``text`` whole to file descriptor 2 (``os.write`` may take only part of it); raises OSError."""
+    data = text.encode("utf-8", errors="replace")
+    while data:
+        written = os.write(2, data)
+        data = data[written:]
+
+
 class ProcessStderrHandler(logging.Handler):
     """Writes each record to file descriptor 2 with ``os.write``, whatever ``sys.stderr`` is now."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            data = (self.format(record) + "\n").encode("utf-8", errors="replace")
-            while data:
-                written = os.write(2, data)
-                data = data[written:]
+            write_to_process_stderr(self.format(record) + "\n")
         except Exception:  # logging's contract: a failing handler reports, never raises
             self.handleError(record)
 

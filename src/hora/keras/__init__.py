@@ -5,7 +5,7 @@ Horovod spelling with ``import hora.tensorflow.keras as hvd``). Works on the Ten
 and, since hora reduces through NumPy, on the torch backend (``KERAS_BACKEND=torch``); the backend
 is whatever Keras was imported with. Nothing here imports TensorFlow unless Keras runs on it.
 With ``TF_USE_LEGACY_KERAS=1`` (and the tf-keras package) the same names serve Keras 2 models and
-optimizers, as Horovod's did: see :mod:`hora.keras.keras2`.
+optimizers, as Horovod's did: see :mod:`hora.tensorflow.keras2`.
 """
 
 from __future__ import annotations

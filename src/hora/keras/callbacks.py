@@ -29,7 +29,7 @@ _value = to_numpy
 def _optimizer_state(optimizer: Any, trainable: Sequence[Any]) -> list:
     """The optimizer's variables (slots built now if Keras has not made them yet), or [] for none."""
     if uses_tf_keras():
-        from hora.keras import keras2
+        from hora.tensorflow import keras2
         if not keras2.is_optimizer(optimizer):
             return []
         keras2.build(optimizer, trainable)
@@ -237,7 +237,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 def _momentum_buffers(optimizer: Any) -> list:
     """The velocity variables of a momentum optimizer (SGD's ``momentums``, RMSprop's ``_momentums``)."""
     if uses_tf_keras():
-        from hora.keras import keras2
+        from hora.tensorflow import keras2
         return keras2.momentum_buffers(optimizer)
     if not getattr(optimizer, "momentum", 0):
         return []

@@ -3,7 +3,7 @@ updates use gradients averaged across ranks, on whichever backend Keras runs, an
 
 The Keras 3 wrapper is :mod:`hora.keras_wrapper`, which hora.tensorflow uses too; under
 ``TF_USE_LEGACY_KERAS=1`` (see :func:`hora.keras_wrapper.uses_tf_keras`) tf_keras optimizers are
-wrapped by :mod:`hora.keras.keras2`. On the TensorFlow backend the reduction is hora.tensorflow's
+wrapped by :mod:`hora.tensorflow.keras2`. On the TensorFlow backend the reduction is hora.tensorflow's
 (one op inside the step Keras compiles, dense gradients in flat buckets, one engine request each);
 imported here only then, so hora.keras on the torch backend never imports TensorFlow.
 """
@@ -26,8 +26,8 @@ if keras.backend.backend() == "tensorflow":
 
 
 def _keras2() -> Any:
-    """:mod:`hora.keras.keras2`, imported only in processes that run Keras 2."""
-    from hora.keras import keras2
+    """:mod:`hora.tensorflow.keras2`, imported only in processes that run Keras 2."""
+    from hora.tensorflow import keras2
     return keras2
 
 
@@ -52,7 +52,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     Under ``TF_USE_LEGACY_KERAS=1`` it wraps tf_keras optimizers (``tf_keras.optimizers.*`` and
     ``tf_keras.optimizers.legacy.*``, ``lr=`` included) the way Horovod's Keras 2 wrapper does: see
-    :mod:`hora.keras.keras2`.
+    :mod:`hora.tensorflow.keras2`.
     """
     groups = horovod_args.resolve_groups(num_groups, groups)
     if uses_tf_keras() and not isinstance(optimizer, keras.optimizers.Optimizer):

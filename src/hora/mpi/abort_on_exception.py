@@ -11,13 +11,13 @@ keeps MPI's own behaviour.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from types import TracebackType
 from typing import Any
 
 from hora import config
+from hora.engine.process_stderr import write_to_process_stderr
 
 _installed = False
 
@@ -57,7 +57,7 @@ def _abort(cause: str) -> None:
             f"({cause}); aborting the MPI job so that no other rank waits for it "
             f"(HORA_MPI_ABORT_ON_EXCEPTION=0 keeps MPI's default)\n")
     try:
-        os.write(2, line.encode("utf-8", errors="replace"))
+        write_to_process_stderr(line)
     except OSError:
         pass
     mpi.COMM_WORLD.Abort(1)

@@ -36,11 +36,11 @@ from typing import Any
 
 from hora import config
 from hora.errors import HoraError
-from hora.mpi.launcher_env import LauncherIdentity
 from hora.rendezvous.auth import new_secret
 from hora.rendezvous.server import RendezvousServer
-from hora.runner.identity import WorkerIdentity
 from hora.transport import mpi_world as state
+from hora.workers.identity import WorkerIdentity
+from hora.workers.launcher_env import LauncherIdentity
 
 logger = logging.getLogger("hora")
 
@@ -55,14 +55,14 @@ def _announce_address(hosts: list[str] | None) -> str:
     """Where rank 0's store listens and the others dial: loopback when every rank is on this host."""
     iface = config.get("iface")
     if iface:
-        from hora.runner.remote_bootstrap import resolve_listen_address
+        from hora.workers.remote_bootstrap import resolve_listen_address
 
         return resolve_listen_address([iface])
     here = socket.gethostname()
     if hosts is not None and all(h == here for h in hosts):
         return "127.0.0.1"
     if hosts:
-        from hora.runner.network import route_source_address
+        from hora.workers.network import route_source_address
 
         for host in hosts:
             if host != here:

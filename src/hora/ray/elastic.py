@@ -49,9 +49,9 @@ from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
 from hora.runner.discovery import DiscoveryError, HostSlots
 from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
 from hora.runner.elastic_hosts import CLUSTER_COOLDOWN_RANGE
-from hora.runner.hosts import SlotInfo
 from hora.runner.launch import WorkerExit
 from hora.runner.worker_env import JobContext, worker_environment
+from hora.workers.hosts import SlotInfo
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ changing its import. What ``start()`` does:
    ``placement_group_timeout_s``;
 2. starts one actor per worker (:class:`hora.ray.worker.RayWorker`) and asks each for its Ray node;
 3. groups the actors by Ray node id (not by address: Ray's test clusters run every node on one
-   address) and numbers ranks node by node with :func:`hora.runner.hosts.assign_slots`, so local and
+   address) and numbers ranks node by node with :func:`hora.workers.hosts.assign_slots`, so local and
    cross ranks follow the real grouping;
 4. serves the job's rendezvous store from this process with a fresh secret, on this node's Ray
    address, and gives each actor its rank's environment (:func:`hora.runner.worker_env.worker_environment`)
@@ -46,8 +46,8 @@ from hora.ray.failures import first_line, lost_reason, remote_exception, strip_c
 from hora.ray.placement import Placement, WorkerResources, reserve
 from hora.ray.worker import Call, RayWorker
 from hora.rendezvous import RendezvousServer, new_secret
-from hora.runner.hosts import Host, SlotInfo, assign_slots
 from hora.runner.worker_env import JobContext, worker_environment
+from hora.workers.hosts import Host, SlotInfo, assign_slots
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 import cloudpickle
 
 from hora.rendezvous import RendezvousClient, RendezvousServer
-from hora.runner import identity
+from hora.workers import identity
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import ray
 from hora import config
 from hora.errors import HoraError
 from hora.ray import ray_logger
-from hora.runner.remote_bootstrap import resolve_listen_address
+from hora.workers.remote_bootstrap import resolve_listen_address
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from hora.errors import ConfigError, HoraError
-from hora.runner.hosts import Host, parse_host_entry
+from hora.workers.hosts import Host, parse_host_entry
 
 # Hosts in the order the source gave them, with their slots.
 HostSlots = dict[str, int]

@@ -49,11 +49,11 @@ from hora.rendezvous.rounds import Round
 from hora.runner.discovery import DiscoveryError, HostDiscovery
 from hora.runner.elastic_hosts import HostRegistry, Plan, describe_plan, plan_size, plan_slots, plan_world
 from hora.runner.exits import ExitWatcher
-from hora.runner.hosts import SlotInfo
 from hora.runner.job import Job
 from hora.runner.launch import JobOutcome, WorkerExit, _explained, _SignalTrap, start_worker
 from hora.runner.locality import is_local_host
 from hora.runner.process import describe_returncode, signal_name
+from hora.workers.hosts import SlotInfo
 
 logger = logging.getLogger(__name__)
 

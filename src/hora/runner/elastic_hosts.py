@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hora.runner.discovery import HostSlots
-from hora.runner.hosts import Host, SlotInfo, assign_slots
+from hora.workers.hosts import Host, SlotInfo, assign_slots
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from hora.runner.discovery import (
     ScriptDiscovery,
 )
 from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
-from hora.runner.hosts import Host, SlotInfo, default_hosts, parse_hostfile, parse_hosts
 from hora.runner.job import Job
 from hora.runner.ssh import SshOptions
+from hora.workers.hosts import Host, SlotInfo, default_hosts, parse_hostfile, parse_hosts
 
 logger = logging.getLogger(__name__)
 

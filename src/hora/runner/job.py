@@ -8,7 +8,7 @@ is closed, so :func:`hora.run` can collect results after the workers exit.
 
 A job on this machine alone keeps its store on loopback. With a remote host, every remote host is
 first checked with ``ssh HOST true`` (all at once; nothing starts if one fails), and the store
-listens on an address they can reach (:func:`hora.runner.network.launcher_address`).
+listens on an address they can reach (:func:`hora.workers.network.launcher_address`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import TextIO
 from hora import config
 from hora.errors import LaunchError
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
-from hora.runner.hosts import Host, SlotInfo, assign_slots, hosts_used
 from hora.runner.launch import JobOutcome, WorkerSpec, run_workers
 from hora.runner.locality import is_local_host
-from hora.runner.network import launcher_address
 from hora.runner.output import OutputRouter
 from hora.runner.remote import RemoteTarget, forwarded_environment
-from hora.runner.remote_bootstrap import resolve_listen_address
 from hora.runner.ssh import SshOptions, check_reachable
 from hora.runner.worker_env import JobContext, worker_environment
+from hora.workers.hosts import Host, SlotInfo, assign_slots, hosts_used
+from hora.workers.network import launcher_address
+from hora.workers.remote_bootstrap import resolve_listen_address
 
 logger = logging.getLogger(__name__)
 

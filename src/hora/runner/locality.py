@@ -13,7 +13,7 @@ import ipaddress
 import logging
 import socket
 
-from hora.runner.remote_bootstrap import can_bind
+from hora.workers.remote_bootstrap import can_bind
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import IO
 
 from hora import config
-from hora.runner import remote_bootstrap
 from hora.runner.process import group_alive, signal_group, spawn
 from hora.runner.ssh import SshOptions
+from hora.workers import remote_bootstrap
 
 logger = logging.getLogger(__name__)
 

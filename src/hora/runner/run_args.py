@@ -29,8 +29,8 @@ from typing import Any, NoReturn
 
 from hora import config
 from hora.errors import ConfigError
-from hora.runner.hosts import Host, default_hosts, parse_hostfile, parse_hosts
 from hora.version import __version__
+from hora.workers.hosts import Host, default_hosts, parse_hostfile, parse_hosts
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 

@@ -26,7 +26,7 @@ import cloudpickle
 from hora import config
 from hora.errors import HoraError
 from hora.rendezvous import RendezvousClient
-from hora.runner.identity import from_environment
+from hora.workers.identity import from_environment
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hora import config
 from hora.rendezvous import new_secret
-from hora.runner.hosts import SlotInfo
+from hora.workers.hosts import SlotInfo
 
 IDENTITY_KNOBS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "hostname")
 

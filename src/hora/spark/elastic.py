@@ -37,11 +37,11 @@ from hora.runner.api import raise_remote
 from hora.runner.discovery import HostSlots
 from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
 from hora.runner.elastic_hosts import CLUSTER_COOLDOWN_RANGE
-from hora.runner.hosts import SlotInfo
 from hora.runner.launch import WorkerExit
 from hora.runner.worker_env import JobContext, worker_environment
 from hora.spark import elastic_agent as agents
 from hora.spark.runner import OutputRelay, _active_context, _pickled, task_slots
+from hora.workers.hosts import SlotInfo
 
 logger = logging.getLogger(__name__)
 

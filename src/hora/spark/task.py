@@ -2,7 +2,7 @@
 
 Every task of the barrier stage sees the same list of task addresses (``BarrierTaskContext
 .getTaskInfos()``), so each computes the same layout on its own: tasks grouped by executor host (in
-the order hosts first appear), ranks host by host (:func:`hora.runner.hosts.assign_slots`), local
+the order hosts first appear), ranks host by host (:func:`hora.workers.hosts.assign_slots`), local
 ranks in partition order within a host. A task then takes its rank's environment (the same
 variables ``hora run`` gives a worker process), reports itself started to the driver's rendezvous
 store, runs the function and returns its encoded outcome as the partition's one element.
@@ -30,10 +30,10 @@ import cloudpickle
 
 from hora import config
 from hora.rendezvous import RendezvousClient
-from hora.runner.hosts import Host, SlotInfo, assign_slots
-from hora.runner.remote_bootstrap import resolve_listen_address
 from hora.runner.task import encode_error, encode_success
 from hora.runner.worker_env import JobContext, worker_environment
+from hora.workers.hosts import Host, SlotInfo, assign_slots
+from hora.workers.remote_bootstrap import resolve_listen_address
 
 KEY_PREFIX = "spark/"
 FUNC_KEY = KEY_PREFIX + "func"

@@ -112,7 +112,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
             average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
             scale_local_gradients=scale_local_gradients)
     if keras_wrapper.uses_tf_keras() and not isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        from hora.keras import keras2
+        from hora.tensorflow import keras2
 
         if keras2.is_optimizer(optimizer):  # Keras 2 (TF_USE_LEGACY_KERAS=1): Horovod's Keras 2 wrapper
             return keras2.wrap(optimizer, False, name, device_dense, device_sparse, compression, sparse_as_dense,

@@ -4,7 +4,7 @@ hora still serves the job's rendezvous store (a fresh secret per job, as without
 passes its address, port, secret and job id to every rank in the environment, forwarded by name
 with ``-x`` (Open MPI) or ``-genvlist`` (MPICH's Hydra), so the secret never appears on a command
 line. Each rank's place (rank, size, local rank) comes from mpirun's own variables
-(:mod:`hora.mpi.launcher_env`). The command line follows Horovod's: ``-np``, ``-H host:slots,...``,
+(:mod:`hora.workers.launcher_env`). The command line follows Horovod's: ``-np``, ``-H host:slots,...``,
 ``--bind-to none --map-by slot`` (Open MPI), ``--tag-output`` so every line names its rank, and
 ``--mpi-args`` appended verbatim before the command (``shlex`` splitting), so it can add or
 override any of them. mpirun supervises the ranks: when one fails, it ends the job.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from hora import config
 from hora.errors import ConfigError, LaunchError
-from hora.runner.hosts import Host
+from hora.workers.hosts import Host
 
 if TYPE_CHECKING:
     from hora.runner.job import Job

@@ -17,8 +17,8 @@ from typing import Any
 
 from hora import config
 from hora.errors import ConfigError, HoraError
-from hora.mpi import launcher_env
-from hora.runner.hosts import SlotInfo
+from hora.workers import launcher_env
+from hora.workers.hosts import SlotInfo
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hora.errors import ConfigError
-from hora.runner.hosts import SlotInfo
+from hora.workers.hosts import SlotInfo
 
 
 @dataclass(frozen=True)

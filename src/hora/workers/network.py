@@ -15,7 +15,7 @@ import socket
 from collections.abc import Sequence
 
 from hora.errors import LaunchError
-from hora.runner.remote_bootstrap import resolve_listen_address
+from hora.workers.remote_bootstrap import resolve_listen_address
 
 logger = logging.getLogger(__name__)
 
