@@ -102,3 +102,74 @@ def test_compression_must_be_a_compressor():
     assert check_compression(Compression.fp16) is Compression.fp16
     with pytest.raises(TypeError, match="compressor"):
         check_compression("fp16")
+
+
+# ---- HORA_COMPRESSION: the compression of a wrapper left at Compression.none ------------------------
+
+def test_hora_compression_applies_only_to_a_wrapper_left_at_compression_none(caplog):
+    from hora.compression import Compression
+
+    env = {"HORA_COMPRESSION": "fp16"}
+    with caplog.at_level("INFO", logger="hora"):
+        assert check_compression(Compression.none, environ=env) is Compression.fp16
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("hora") and r.levelname == "INFO"]
+    assert len(lines) == 1 and "HORA_COMPRESSION=fp16" in lines[0] and "Compression.fp16" in lines[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hora"):  # an explicit compression argument wins, silently
+        assert check_compression(Compression.bf16, environ=env) is Compression.bf16
+        assert check_compression(Compression.fp16, environ={"HORA_COMPRESSION": "bf16"}) is Compression.fp16
+        # unset, or none: the default stays, with nothing logged
+        assert check_compression(Compression.none, environ={}) is Compression.none
+        assert check_compression(Compression.none, environ={"HORA_COMPRESSION": "none"}) is Compression.none
+    assert not [r for r in caplog.records if r.name.startswith("hora")]
+    assert check_compression(Compression.none, environ={"HORA_COMPRESSION": "bf16"}) is Compression.bf16
+
+
+def test_hora_compression_powersgd_reaches_a_stateful_wrapper():
+    from hora.compression import Compression
+
+    env = {"HORA_COMPRESSION": "powersgd:4:100"}
+    assert check_compression(Compression.none, stateful=True, environ=env) == Compression.powersgd(
+        rank=4, start_iter=100)
+    spec = Compression.powersgd(rank=2)  # an explicit spec wins over the variable
+    assert check_compression(spec, stateful=True, environ=env) is spec
+
+
+def test_tf_keras_jax_wrappers_refuse_hora_compression_powersgd_naming_the_variable():
+    """hora.tensorflow/hora.keras/hora.jax build with check_compression(..., stateful=False)."""
+    from hora.compression import Compression
+    from hora.errors import UnsupportedOperationError
+
+    with pytest.raises(UnsupportedOperationError) as info:
+        check_compression(Compression.none, environ={"HORA_COMPRESSION": "powersgd:4"})
+    message = str(info.value)
+    assert "\n" not in message
+    assert "cannot run in this gradient wrapper" in message  # the spec's own reason...
+    assert "HORA_COMPRESSION=powersgd:4" in message and "hora run --compression" in message  # ...and where from
+    # an explicit argument in the script is refused with the reason alone
+    with pytest.raises(UnsupportedOperationError) as info:
+        check_compression(Compression.powersgd(), environ={})
+    assert "HORA_COMPRESSION" not in str(info.value)
+
+
+def test_bad_hora_compression_is_a_config_error_naming_the_variable_when_a_wrapper_is_built():
+    from hora.compression import Compression
+    from hora.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"HORA_COMPRESSION='powersgd:0' is invalid: expected none, fp16, bf16 or"):
+        check_compression(Compression.none, environ={"HORA_COMPRESSION": "powersgd:0"})
+    # an explicit argument never reads the variable
+    assert check_compression(Compression.fp16, environ={"HORA_COMPRESSION": "zip"}) is Compression.fp16
+
+
+def test_plain_collectives_never_call_check_compression():
+    """So HORA_COMPRESSION never changes a plain hvd.allreduce: only gradient wrappers call it."""
+    from pathlib import Path
+
+    src = Path(hora.__file__).resolve().parent
+    collective_modules = [p for p in src.rglob("*.py")
+                          if p.name in ("mpi_ops.py", "functions.py", "tensors.py", "collectives.py",
+                                        "common_api.py", "batched.py", "gradient_buckets.py")]
+    assert len(collective_modules) >= 5
+    callers = [str(p.relative_to(src)) for p in collective_modules if "check_compression" in p.read_text()]
+    assert callers == []

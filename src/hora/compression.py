@@ -8,10 +8,12 @@ is looked up from the tensor's own type when a tensor arrives (that framework is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hora import config
 from hora.errors import UnsupportedOperationError
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -75,10 +77,19 @@ class NoneCompressor(Compressor):
         return tensor
 
 
-class FP16Compressor(Compressor):
+class _CastCompressor(Compressor):
+    """A compressor that sends a narrower dtype: its context is the original dtype name, or None
+    for a tensor that travelled unchanged."""
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return _cast(tensor, ctx) if ctx is not None else tensor
+
+
+class FP16Compressor(_CastCompressor):
     """Sends wider floating-point tensors as float16, halving (or quartering) the bytes on the wire.
 
-    The context is the original dtype name; integer and float16 tensors travel unchanged.
+    Integer and float16 tensors travel unchanged.
     """
 
     @staticmethod
@@ -88,12 +99,8 @@ class FP16Compressor(Compressor):
             return _cast(tensor, "float16"), dtype
         return tensor, None
 
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return _cast(tensor, ctx) if ctx is not None else tensor
 
-
-class BF16Compressor(Compressor):
+class BF16Compressor(_CastCompressor):
     """Sends float32 and float64 tensors as bfloat16 (not in Horovod 0.28.1, which has fp16 only).
 
     The bytes are fp16's, but bfloat16 keeps float32's exponent: a gradient above 65504 or below
@@ -113,14 +120,104 @@ class BF16Compressor(Compressor):
                 "use Compression.fp16 with MXNet")
         return _cast(tensor, "bfloat16"), dtype
 
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return _cast(tensor, ctx) if ctx is not None else tensor
+
+@dataclass(frozen=True)
+class PowerSGDSpec:
+    """What ``Compression.powersgd(...)`` returns: the options of PowerSGD (Vogels et al., 2019), not
+    a compressor.
+
+    PowerSGD replaces each matrix-shaped gradient by a low-rank approximation computed jointly by all
+    ranks, and keeps per-parameter state between steps (each rank's residual for error feedback, and
+    the shared factor Q it warm-starts from). A stateless ``compress``/``decompress`` pair cannot hold
+    that state, so this object only describes the algorithm; the optimizer that owns the state
+    (``hora.torch.powersgd.PowerSGDReducer`` inside ``hora.torch.DistributedOptimizer``) runs it.
+    It still has ``compress``/``decompress``, which refuse: every binding's plain collective calls
+    ``compression.compress(tensor)`` before it submits anything, so that one method is where every
+    collective in every framework refuses it, with the same message, before a byte is sent.
+
+    Frozen (and so hashable and comparable): two optimizers built from equal specs run the same algorithm,
+    and a spec can be a dict key or a default argument.
+    """
+
+    #: The rank r of each approximation P Q^T (DDP's ``matrix_approximation_rank``), capped per
+    #: matrix at min(rows, columns).
+    rank: int = 4
+    #: Steps reduced by plain allreduce before compression starts (DDP's ``start_powerSGD_iter``):
+    #: compressing the first, fast-changing gradients costs accuracy that later steps do not recover.
+    start_iter: int = 1000
+    #: A matrix of n x m is compressed only when (n + m) * r * min_compression_rate < n * m.
+    min_compression_rate: float = 2.0
+    #: Carry each rank's residual (what the approximation missed) into its next step's gradient.
+    use_error_feedback: bool = True
+    #: Start each step's power iteration from the previous step's Q instead of a fresh random one.
+    warm_start: bool = True
+    #: An orthogonalized column whose norm is at most this becomes zero instead of being divided by
+    #: its norm (0: only exactly-zero columns, which would otherwise give NaN).
+    orthogonalization_epsilon: float = 0.0
+    #: Seed of the random initial Q; every rank uses it, so every rank starts from the same Q.
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"Compression.powersgd: rank must be an int of at least 1, got {self.rank!r}")
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise ValueError(f"Compression.powersgd: start_iter must be an int of at least 0, got {self.start_iter!r}")
+        if not float(self.min_compression_rate) >= 0:
+            raise ValueError(f"Compression.powersgd: min_compression_rate must be at least 0, "
+                             f"got {self.min_compression_rate!r}")
+        if not float(self.orthogonalization_epsilon) >= 0:
+            raise ValueError(f"Compression.powersgd: orthogonalization_epsilon must be at least 0, "
+                             f"got {self.orthogonalization_epsilon!r}")
+        if isinstance(self.random_seed, bool) or not isinstance(self.random_seed, int):
+            raise ValueError(f"Compression.powersgd: random_seed must be an int, got {self.random_seed!r}")
+
+    def __repr__(self) -> str:
+        return f"Compression.powersgd(rank={self.rank}, start_iter={self.start_iter})"
+
+    def refusal(self, where: str) -> str:
+        """The one-line reason ``where`` (a plain collective, another binding's optimizer) cannot run it."""
+        return (f"{self!r} cannot run in {where}: PowerSGD keeps per-parameter state between steps "
+                "(error feedback, the warm-start factor), which only an optimizer holds; pass it to "
+                "hora.torch.DistributedOptimizer(..., compression=...)")
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        raise UnsupportedOperationError(self.refusal("a plain collective (allreduce, grouped_allreduce, ...)"))
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        raise UnsupportedOperationError(self.refusal("a plain collective (allreduce, grouped_allreduce, ...)"))
+
+
+def powersgd(rank: int = 4, start_iter: int = 1000, min_compression_rate: float = 2.0,
+             use_error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+             random_seed: int = 0) -> PowerSGDSpec:
+    """PowerSGD's options (see :class:`PowerSGDSpec`); a function, not a compressor class, because
+    the algorithm has parameters and its state lives in the optimizer that is given the result."""
+    return PowerSGDSpec(rank, start_iter, min_compression_rate, use_error_feedback, warm_start,
+                        orthogonalization_epsilon, random_seed)
+
+
+def parse_compression(text: str) -> Any:
+    """``HORA_COMPRESSION``'s (and ``hora run --compression``'s) text as what ``compression=`` takes.
+
+    ``none``, ``fp16`` and ``bf16`` give :class:`NoneCompressor`, :class:`FP16Compressor` and
+    :class:`BF16Compressor`; ``powersgd[:RANK[:START_ITER]]`` gives ``powersgd(rank=RANK,
+    start_iter=START_ITER)`` (the defaults for what is left out). The grammar is the knob's, in
+    :mod:`hora.config`; anything else is a ValueError that lists the accepted forms.
+    """
+    name, *numbers = config.knob("compression").parse(text).split(":")
+    if name == "powersgd":
+        values = [int(number) for number in numbers]
+        defaults = PowerSGDSpec()
+        return powersgd(rank=values[0] if values else defaults.rank,
+                        start_iter=values[1] if len(values) > 1 else defaults.start_iter)
+    return {"none": NoneCompressor, "fp16": FP16Compressor, "bf16": BF16Compressor}[name]
 
 
 class Compression:
-    """The compressors a collective, DistributedGradientTape or DistributedOptimizer accepts."""
+    """The compressors a collective, DistributedGradientTape or DistributedOptimizer accepts, and the
+    spec of PowerSGD, which only hora.torch.DistributedOptimizer accepts."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = staticmethod(powersgd)

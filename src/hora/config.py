@@ -61,6 +61,25 @@ def _parse_log_level(text: str) -> str:
     return level
 
 
+_COMPRESSION_FORMS = "none, fp16, bf16 or powersgd[:RANK[:START_ITER]] (e.g. powersgd:4 or powersgd:4:100)"
+
+
+def _parse_compression(text: str) -> str:
+    """HORA_COMPRESSION in its canonical spelling (lower case, no blanks); the grammar's one home.
+
+    hora.compression.parse_compression turns the result into a compressor or a PowerSGD spec.
+    """
+    name, *numbers = [part.strip() for part in text.strip().lower().split(":")]
+    if name in ("none", "fp16", "bf16") and not numbers:
+        return name
+    if name == "powersgd" and len(numbers) <= 2 and all(n.isascii() and n.isdigit() for n in numbers):
+        values = [int(number) for number in numbers]
+        if not values or values[0] >= 1:
+            return ":".join([name, *(str(value) for value in values)])
+    raise ValueError(f"expected {_COMPRESSION_FORMS}, with RANK at least 1 and START_ITER at least 0; "
+                     f"got {text!r}")
+
+
 @dataclass(frozen=True)
 class Knob:
     """One configuration entry: where it is read from and how it is parsed."""
@@ -148,6 +167,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("gradient_bucket_bytes", 4 * MiB, _parse_nonneg_int,
          "Gradients of the framework optimizers travel in flat buckets of at most this many bytes "
          "(and at most the fusion threshold); 0: one reduction per tensor.", horovod_alias=False),
+    Knob("compression", None, _parse_compression,
+         "Compression of the gradient wrappers (DistributedOptimizer, DistributedGradientTape) built without a "
+         "compression argument: none, fp16, bf16 or powersgd[:RANK[:START_ITER]] (set by hora run --compression).",
+         horovod_alias=False),
     Knob("cache_capacity", 1024, _parse_nonneg_int, "Response cache entries; 0 disables the cache."),
     Knob("timeline", None, _parse_str, "Path of the Chrome-trace timeline written by rank 0, or DYNAMIC."),
     Knob("timeline_mark_cycles", False, _parse_bool, "Mark engine cycles in the timeline."),

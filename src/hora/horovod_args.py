@@ -5,21 +5,27 @@
 ``backward_passes_per_step``, ``groups`` and its deprecated spelling ``num_groups``, and
 ``compression``. A script migrating from Horovod must get the same answer, the same warning or the
 same error whichever binding it imports, so each rule lives here once and the bindings only call it.
-Nothing here imports a framework or touches the engine: these functions look at arguments only.
+Nothing here imports a framework or touches the engine: these functions look at arguments only
+(and :func:`check_compression` at ``HORA_COMPRESSION``, for a wrapper left at ``Compression.none``).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hora import config
 from hora.basics import ProcessSet
+from hora.compression import BF16Compressor, FP16Compressor, NoneCompressor, PowerSGDSpec, parse_compression, powersgd
 from hora.errors import UnsupportedOperationError
 from hora.transport.base import ReduceOp
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 #: Horovod's ``groups`` argument: None, an int (that many groups) or lists of parameters/variables.
 Groups = Any
@@ -222,9 +228,44 @@ def order_as_reference(names: Sequence[str], reference: Sequence[str]) -> list[i
 
 # ---- compression ----------------------------------------------------------------------------------
 
-def check_compression(compression: Any) -> Any:
-    """``compression`` if it is a compressor (``compress`` and ``decompress``), else a TypeError now
-    rather than an AttributeError in the middle of a training step."""
+_COMPRESSION_NAMES = {NoneCompressor: "Compression.none", FP16Compressor: "Compression.fp16",
+                      BF16Compressor: "Compression.bf16"}
+
+
+def check_compression(compression: Any, *, stateful: bool = False,
+                      environ: Mapping[str, str] | None = None) -> Any:
+    """The compressor a gradient wrapper uses: ``compression`` if it is a compressor (``compress`` and
+    ``decompress``), else a TypeError now rather than an AttributeError in the middle of a training step.
+
+    Every gradient wrapper (DistributedOptimizer, DistributedGradientTape, in every binding) calls
+    this once, when it is built; plain collectives never do. A wrapper left at its default
+    ``Compression.none`` takes ``HORA_COMPRESSION`` (``hora run --compression``) from ``environ``
+    (default: the process environment) when it is set, and says so in one INFO line; any other
+    ``compression`` argument wins over the variable. (An explicit ``compression=Compression.none``
+    cannot be told from the default, so the variable applies to it too.)
+
+    ``Compression.powersgd(...)`` keeps state between steps, so only a wrapper that holds that state
+    passes ``stateful=True``; every other one refuses it here, when it is built, with the reason
+    (the same one a plain collective gives, from the spec itself, naming HORA_COMPRESSION when the
+    choice came from there).
+    """
+    chosen_by = None
+    if compression is NoneCompressor:
+        choice = config.get("compression", environ)  # a bad value: ConfigError naming the variable
+        if choice is not None and choice != "none":
+            compression = parse_compression(choice)
+            chosen_by = f"{config.knob('compression').env}={choice}"
+    if compression is powersgd:
+        raise TypeError("compression=Compression.powersgd must be called: Compression.powersgd(rank=4, ...)")
+    if isinstance(compression, PowerSGDSpec) and not stateful:
+        reason = compression.refusal("this gradient wrapper")
+        if chosen_by is not None:
+            reason += (f"; it was chosen by {chosen_by} (hora run --compression), for a wrapper left at "
+                       "Compression.none: set it to none, fp16 or bf16 for this script")
+        raise UnsupportedOperationError(reason)
+    if chosen_by is not None:
+        logger.info("%s: this gradient wrapper, built with the default Compression.none, uses %s",
+                    chosen_by, _COMPRESSION_NAMES.get(compression, repr(compression)))
     if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"compression must be a compressor such as Compression.none or Compression.fp16 "
                         f"(with compress and decompress), got {compression!r}")

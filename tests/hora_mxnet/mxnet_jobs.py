@@ -120,9 +120,37 @@ def collectives() -> list:
                                                            name="mismatch_dtype")),
         }
         out["after_mismatch"] = hvd.allreduce(mx.nd.ones(2), op=hvd.Sum, name="after_mismatch").asnumpy()
+        out.update(_compression_from_environment(hvd, mx))
         return out
 
     return [("allreduce", allreduce), ("others", others), ("arguments", arguments), ("bad_input", bad_input)]
+
+
+def _compression_from_environment(hvd, mx) -> dict:
+    """HORA_COMPRESSION (hora run --compression) reaches MXNet's wrappers as it reaches the others:
+    fp16 is taken by both, PowerSGD (which MXNet cannot run) is refused when the trainer is built."""
+    import os
+
+    from mxnet import gluon
+
+    out = {}
+    params = gluon.nn.Dense(2, in_units=3).collect_params()
+    params.initialize()
+    for choice in ("fp16", "powersgd:4"):
+        os.environ["HORA_COMPRESSION"] = choice
+        try:
+            optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1))
+            out[f"optimizer_{choice}"] = optimizer._compression.__name__
+        except Exception as exc:
+            out[f"optimizer_{choice}"] = f"{type(exc).__name__}: {exc}"
+        try:
+            trainer = hvd.DistributedTrainer(params, "sgd", {"learning_rate": 0.1})
+            out[f"trainer_{choice}"] = trainer._compression.__name__
+        except Exception as exc:
+            out[f"trainer_{choice}"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            del os.environ["HORA_COMPRESSION"]
+    return out
 
 
 def _poll(hvd, x) -> bool:

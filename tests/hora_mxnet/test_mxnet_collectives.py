@@ -114,3 +114,6 @@ def test_bad_input_errors_on_every_rank_and_the_next_collective_works(jobs, size
         np.testing.assert_array_equal(got["after_mismatch"], [float(size)] * 2)
         assert got["bf16"].startswith("UnsupportedOperationError: Compression.bf16: MXNet NDArrays have no "
                                       "bfloat16 type"), got["bf16"]
+        assert got["optimizer_fp16"] == got["trainer_fp16"] == "FP16Compressor", got
+        for key in ("optimizer_powersgd:4", "trainer_powersgd:4"):
+            assert got[key].startswith("UnsupportedOperationError") and "HORA_COMPRESSION=powersgd:4" in got[key], got

@@ -90,6 +90,8 @@ EXTRA_ALLOWED = {
     "allgather_object": {"process_set"},
     # a process set to synchronise the statistics over (the global set by default)
     "SyncBatchNorm": {"process_set"},
+    # ZeRO stage 1 behind Horovod's optimizer (keyword-only; docs/memory.md)
+    "DistributedOptimizer": {"shard_optimizer_state"},
 }
 
 

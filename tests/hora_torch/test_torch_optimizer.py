@@ -44,6 +44,26 @@ def mse(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def conv_model(seed: int = 7):
+    """14 tensors of conv, batch-norm and linear layers; the second conv's weight is channels_last, and
+    at a 600-byte bucket cap (``VIEW_CAP``) they make 4 buckets, one holding that weight, and a lone tensor."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 2, 1), torch.nn.Flatten(), torch.nn.Linear(32, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model[3].to(memory_format=torch.channels_last)
+    return model
+
+
+VIEW_CAP = 600
+
+
+def conv_data(step: int, r: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(50 + 10 * step + r)
+    return torch.randn(4, 3, 4, 4, generator=g).to(dtype), torch.randn(4, 2, generator=g).to(dtype)
+
+
 def rank_shard(step: int, r: int, n: int):
     """Rank ``r``'s share (1/n of the rows) of step ``step``'s global batch."""
     x, y = data(step)
@@ -522,12 +542,127 @@ def _job() -> list:
                           "per_tensor": run(0, f"pt.{label}", compression)}
         return out
 
+    def with_bucket_bytes(cap, build):
+        import os
+
+        os.environ["HORA_GRADIENT_BUCKET_BYTES"] = str(cap)
+        try:
+            return build()
+        finally:
+            del os.environ["HORA_GRADIENT_BUCKET_BYTES"]
+
+    def bucket_views_layout():
+        # Bucketed gradients are views of one flat buffer per bucket (PyTorch DDP's
+        # gradient_as_bucket_view): every step leaves them there, a step after
+        # zero_grad(set_to_none=False) copies nothing into or out of a flat tensor (no more copy
+        # operations than plain torch's own backward), zero_grad() still leaves None, and the
+        # gradients equal per-tensor reductions (HORA_GRADIENT_BUCKET_BYTES=0) bit for bit.
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Copies(TorchDispatchMode):
+            watched = ("cat", "split", "split_with_sizes", "copy_", "_foreach_copy_")
+
+            def __init__(self):
+                super().__init__()
+                self.seen = Counter()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ in self.watched:
+                    self.seen[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        runs = {}
+        for label, cap in (("bucketed", VIEW_CAP), ("per_tensor", 0), ("plain", None)):
+            model = conv_model()
+            if cap is None:
+                runs[label] = (model, sgd(model.parameters()))
+                continue
+            runs[label] = (model, with_bucket_bytes(cap, lambda model=model, label=label: hvd.DistributedOptimizer(
+                sgd(model.parameters()), named_parameters=named(model, f"views.{label}"))))
+        out = {"buckets": [[p.shape for p in b] for b in runs["bucketed"][1]._buckets], "steps": []}
+        for s, mode in enumerate(("none", "zeros", "zeros", "none", "assigned")):
+            x, y = conv_data(s, r)
+            step = {}
+            for label, (model, opt) in runs.items():
+                if mode == "assigned":  # the user's own gradients, which backward adds to
+                    for p in model.parameters():
+                        p.grad = torch.full_like(p, 0.5)
+                else:
+                    opt.zero_grad(set_to_none=mode == "none")
+                cleared = all(p.grad is None for p in model.parameters())
+                with Copies() as copies:
+                    mse(model, x, y).backward()
+                    if label != "plain":
+                        opt.synchronize()
+                params = list(model.parameters())
+                step[label] = {"copies": dict(copies.seen), "cleared": cleared,
+                               "grads": [p.grad.clone() for p in params]}
+                if label == "bucketed":
+                    step["storages"] = [sorted({p.grad.untyped_storage().data_ptr() for p in b}) for b in opt._buckets]
+                    step["strides"] = [(p.grad.stride(), p.stride()) for p in params]
+                    step["dtypes"] = [p.grad.dtype for p in params]
+                if label == "plain":
+                    opt.step()
+                else:
+                    with opt.skip_synchronize():
+                        opt.step()
+            step["mode"] = mode
+            out["steps"].append(step)
+        out.update({label: {"weights": weights(model)} for label, (model, _) in runs.items() if label != "plain"})
+        return out
+
+    def bucket_views_training(variant):
+        # Bucketed against per-tensor reductions, bit for bit, where views of a flat buffer meet torch's
+        # corners: accumulation over backward_passes_per_step=2 into kept gradients, fp16 compression,
+        # a model turned float64 part-way (module.to() converts the gradients in place, so each bucket's
+        # buffer must be cut again), and a sparse gradient in a bucket (its own per-tensor path).
+        def run(cap, label):
+            if variant == "sparse":
+                torch.manual_seed(8)
+                model = torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 2))
+            else:
+                model = conv_model()
+            kwargs = {"bpps2": {"backward_passes_per_step": 2},
+                      "fp16": {"compression": hvd.Compression.fp16}}.get(variant, {})
+            inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if variant in ("to_double", "sparse")
+                                    else 0.9)
+            opt = with_bucket_bytes(cap, lambda: hvd.DistributedOptimizer(
+                inner, named_parameters=named(model, f"views.{variant}.{label}"), **kwargs))
+            dtype = torch.float32
+            for s in range(4):
+                if variant == "to_double" and s == 2:
+                    model.double()
+                    dtype = torch.float64
+                opt.zero_grad(set_to_none=variant == "fp16" and s % 2 == 0)
+                if variant == "sparse":
+                    idx = (torch.tensor([[0, 1, 2, 2], [2, 3, 4, 9]])[r % 2] + s) % 10
+                    model(idx).pow(2).mean().backward()
+                else:
+                    x, y = conv_data(s, r, dtype)
+                    passes = 2 if variant == "bpps2" else 1
+                    for i in range(passes):
+                        (mse(model, x[i::passes], y[i::passes]) / passes).backward()
+                opt.step()
+            out = {"weights": weights(model), "buckets": len(opt._buckets)}
+            if cap and variant != "sparse":
+                out["storages"] = [len({p.grad.untyped_storage().data_ptr() for p in b}) for b in opt._buckets]
+                out["dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
+            return out
+        return lambda: {"bucketed": run(VIEW_CAP, "bk"), "per_tensor": run(0, "pt")}
+
     def lbfgs(params):
         return torch.optim.LBFGS(params, lr=0.5, max_iter=4, history_size=5)
 
     return [
         ("equivalence.sgd", equivalence(sgd, "eq.sgd")),
         ("buckets_vs_per_tensor", buckets_vs_per_tensor),
+        ("bucket_views.layout", bucket_views_layout),
+        ("bucket_views.bpps2", bucket_views_training("bpps2")),
+        ("bucket_views.fp16", bucket_views_training("fp16")),
+        ("bucket_views.to_double", bucket_views_training("to_double")),
+        ("bucket_views.sparse", bucket_views_training("sparse")),
         ("closure.sgd", closure_steps(sgd, "closure.sgd")),
         ("closure.adam", closure_steps(adam, "closure.adam")),
         ("closure.lbfgs", closure_steps(lbfgs, "closure.lbfgs", steps=5)),
@@ -604,6 +739,55 @@ def test_bucketed_gradients_are_bit_identical_to_per_tensor_reductions_2ranks(ra
             assert buckets >= 3 and none == 0, (buckets, none)
             for a, b in zip(bucketed, per_tensor):
                 assert torch.equal(a, b), label
+
+
+def test_bucketed_gradients_are_views_of_one_flat_buffer_per_bucket_2ranks(ranks2):
+    for rank in ranks2.all("bucket_views.layout"):
+        assert len(rank["buckets"]) == 4, rank["buckets"]
+        assert torch.Size([4, 4, 3, 3]) in [shape for b in rank["buckets"] for shape in b]
+        first = rank["steps"][0]["storages"]
+        for step in rank["steps"]:
+            # one buffer per bucket, a different one for each, the same one every step
+            assert step["storages"] == first and all(len(s) == 1 for s in first), step["storages"]
+            assert len({s[0] for s in first}) == len(first)
+            # the layout autograd gives a gradient (the channels_last weight's strides among them)
+            assert all(grad == param for grad, param in step["strides"]), step["strides"]
+            assert step["dtypes"] == [torch.float32] * 14
+            assert step["bucketed"]["cleared"] == (step["mode"] == "none")
+            for a, b in zip(step["bucketed"]["grads"], step["per_tensor"]["grads"]):
+                assert torch.equal(a, b), step["mode"]
+
+
+def test_kept_bucketed_gradients_are_reduced_without_copies_2ranks(ranks2):
+    """After zero_grad(set_to_none=False) the bucketed step adds no copy to plain torch's backward pass;
+    after zero_grad() (gradients made anew by autograd) each gradient is copied in once, and nothing
+    is copied back."""
+    for rank in ranks2.all("bucket_views.layout"):
+        for step in rank["steps"]:
+            copies, plain = step["bucketed"]["copies"], step["plain"]["copies"]
+            if step["mode"] == "zeros":
+                assert copies == plain, (copies, plain)
+            else:  # one copy in per bucket, none out
+                assert {**copies, "_foreach_copy_": 0} == {**plain, "_foreach_copy_": 0}, (copies, plain)
+                assert copies["_foreach_copy_"] - plain.get("_foreach_copy_", 0) <= len(rank["buckets"]), copies
+
+
+def test_bucket_views_train_like_per_tensor_reductions_2ranks(ranks2):
+    for section in ("bucket_views.layout", "bucket_views.bpps2", "bucket_views.fp16", "bucket_views.to_double",
+                    "bucket_views.sparse"):
+        ranks = ranks2.all(section)
+        for got in ranks:
+            for a, b in zip(got["bucketed"]["weights"], got["per_tensor"]["weights"]):
+                assert torch.equal(a, b), section
+        for a, b in zip(*(got["bucketed"]["weights"] for got in ranks)):
+            assert torch.equal(a, b), f"{section}: ranks disagree"
+
+
+def test_bucket_buffers_follow_a_dtype_change_2ranks(ranks2):
+    for got in ranks2.all("bucket_views.to_double"):
+        bucketed = got["bucketed"]
+        assert bucketed["buckets"] == 4 and bucketed["storages"] == [1] * 4
+        assert bucketed["dtypes"] == ["torch.float64"]
 
 
 @pytest.mark.parametrize("section", ["closure.sgd", "closure.adam", "closure.lbfgs"])

@@ -113,6 +113,51 @@ def test_flags_already_true_of_hora_are_accepted(flags):
     assert args.command == ["python", "x.py"]
 
 
+@pytest.mark.parametrize("value, expected", [("fp16", "fp16"), ("PowerSGD:4", "powersgd:4"),
+                                             ("powersgd:8:100", "powersgd:8:100"), ("none", "none")])
+def test_compression_flag_sets_hora_compression_only(value, expected):
+    env = knob_environment(parse_run_args(["-np", "2", "--compression", value, "python", "x.py"]))
+    assert env == {"HORA_COMPRESSION": expected}  # hora's own knob: Horovod has no such variable
+    assert "HORA_COMPRESSION" not in knob_environment(parse_run_args(["-np", "2", "python", "x.py"]))
+
+
+def test_bad_compression_flag_stops_with_one_line_listing_the_forms(capsys):
+    line = _one_error_line(capsys, ["-np", "1", "--compression", "powersgd:0"])
+    assert "--compression" in line and "none, fp16, bf16 or powersgd[:RANK[:START_ITER]]" in line
+
+
+def test_compression_flag_is_documented_in_hora_run_help():
+    action = build_parser()._option_string_actions["--compression"]
+    assert "HORA_COMPRESSION" in action.help and "powersgd[:RANK[:START_ITER]]" in action.help
+
+
+COMPRESSION_SCRIPT = """
+import logging
+import torch
+import hora.torch as hvd
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+hvd.init()
+model = torch.nn.Linear(3, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+model(torch.ones(4, 3)).sum().backward()
+opt.step()
+print("compression", opt._compression.__name__)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="torch is not installed")
+def test_compression_flag_reaches_a_workers_distributed_optimizer(hora_run, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(COMPRESSION_SCRIPT)
+    result = hora_run("run", "-np", "1", "--compression", "fp16", "--log-level", "INFO", PY, str(script))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("compression FP16Compressor"), result.stdout
+    picked = [line for line in result.stderr.splitlines() if "HORA_COMPRESSION=fp16" in line]
+    assert len(picked) == 1 and "INFO" in picked[0] and "Compression.fp16" in picked[0], result.stderr
+
+
 def test_tcp_flag_disables_infiniband_for_nccl_as_horovod_does():
     args = parse_run_args(["-np", "2", "--tcp", "python", "x.py"])
     assert knob_environment(args)["NCCL_IB_DISABLE"] == "1"

@@ -39,9 +39,9 @@ def _calls(api: str, count: int, dtype: np.dtype, name: str | None) -> dict[str,
         import torch
 
         import hora.torch as hvd
-        from hora.torch.tensors import from_array
+        from hora.torch.tensors import new_like
 
-        tensor = from_array(np.zeros(count, dtype=dtype))
+        tensor = new_like(np.zeros(count, dtype=dtype))
         assert isinstance(tensor, torch.Tensor)
         return {"allreduce": lambda: hvd.allreduce(tensor, name=name, op=hvd.Sum),
                 "allreduce_": lambda: hvd.allreduce_(tensor, name=in_place, op=hvd.Sum)}

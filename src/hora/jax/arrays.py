@@ -1,4 +1,5 @@
-"""jax.Arrays as the engine's NumPy buffers, and the line between the eager path and the jit path.
+"""jax.Arrays as the engine's NumPy buffers (hora.jax's :class:`hora.binding.Adapter`), and the line
+between the eager path and the jit path.
 
 hora's engine reduces host (NumPy) buffers, or CUDA buffers through NCCL (:mod:`hora.jax.device`
 decides which for a GPU array). Outside ``jax.jit`` a jax.Array on a CPU device is read as NumPy
@@ -17,14 +18,16 @@ collective in a host callback, to which XLA hands host copies itself.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
 
 from hora import basics
+from hora.transport.base import SUPPORTED_DTYPES
 
 HOST_PLATFORM = "cpu"
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def is_traced(x: Any) -> bool:
@@ -61,21 +64,38 @@ def check_device(x: Any) -> None:
             f"Gather it first (jax.device_get), or pass one shard (x.addressable_shards[i].data)")
 
 
-def host_array(x: Any) -> np.ndarray:
-    """``x`` (a jax.Array, NumPy array or scalar) as a NumPy array, after :func:`check_device`:
+def check_dtype(tensor: Any) -> None:
+    """Refuse, naming the rank, an array split over several devices (:func:`check_device`) or of a dtype
+    the engine lacks (float8, complex, ...), before anything is submitted."""
+    check_device(tensor)
+    dtype = np.dtype(tensor.dtype) if hasattr(tensor, "dtype") else np.asarray(tensor).dtype
+    if dtype not in _SUPPORTED:
+        raise TypeError(f"hora.jax ({where()}): the array has dtype {dtype}, which hora does not support; "
+                        f"supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+
+
+def to_host(tensor: Any) -> np.ndarray:
+    """``tensor`` (a jax.Array, NumPy array or scalar) as a NumPy array, after :func:`check_dtype`:
     a view of a CPU array, a copy of an accelerator's (``jax.device_get``)."""
-    check_device(x)
-    if on_accelerator(x):
-        return np.asarray(jax.device_get(x))
-    return np.asarray(x)
+    check_dtype(tensor)
+    if on_accelerator(tensor):
+        return np.asarray(jax.device_get(tensor))
+    return np.asarray(tensor)
 
 
-def to_jax(array: np.ndarray, like: Any = None) -> jax.Array:
+def new_like(array: np.ndarray, like: Any = None) -> jax.Array:
     """A jax.Array holding ``array``, with its dtype: where ``like`` (the collective's input) lives
     when it was placed explicitly or is on an accelerator, else on the default device."""
     if is_concrete(like) and (like.committed or on_accelerator(like)):
         return jax.device_put(np.asarray(array, dtype=array.dtype), like.sharding)
     return jax.numpy.asarray(array, dtype=array.dtype)
+
+
+def write_into(tensor: Any, array: np.ndarray) -> NoReturn:
+    """jax arrays are immutable, which is why hora.jax has no in-place forms (``allreduce_``, ...):
+    refused, pointing at :func:`new_like`'s kind of result."""
+    raise TypeError(f"hora.jax ({where()}): jax arrays are immutable and cannot be written in place; "
+                    f"use the collective's result (a new array)")
 
 
 def spec(x: Any, shape: tuple | None = None) -> jax.ShapeDtypeStruct:

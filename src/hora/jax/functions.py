@@ -12,7 +12,7 @@ import jax
 
 from hora import batched, collectives
 from hora.basics import ProcessSet, global_process_set
-from hora.jax.arrays import host_array, to_jax
+from hora.jax.arrays import new_like, to_host
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSet = global_process_set) -> Any:
@@ -24,11 +24,11 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSe
     """
     leaves, tree = jax.tree_util.tree_flatten(params)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    arrays = [host_array(leaves[i]) for i in positions]
+    arrays = [to_host(leaves[i]) for i in positions]
     results = batched.broadcast_arrays(arrays, root_rank, process_set) if arrays else []
     out = list(leaves)
     for i, result in zip(positions, results):
-        out[i] = to_jax(result, leaves[i])
+        out[i] = new_like(result, leaves[i])
     return jax.tree_util.tree_unflatten(tree, out)
 
 

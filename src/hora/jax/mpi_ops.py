@@ -29,42 +29,20 @@ from jax.experimental import io_callback
 
 from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
+from hora.binding import ConvertingHandle, as_is, new_each, new_one, poll as poll, synchronize as synchronize
 from hora.compression import Compression
 from hora.engine.executor import reducescatter_rows
 from hora.engine.request import Handle, Kind, Request
-from hora.jax import device
-from hora.jax.arrays import host_array, is_traced, spec, to_jax
+from hora.jax import arrays as adapter, device
+from hora.jax.arrays import is_traced, new_like, spec, to_host
 
 HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
 
 
-class JaxHandle:
+class JaxHandle(ConvertingHandle):
     """What the ``_async`` collectives return: pass it to :func:`poll` or :func:`synchronize`."""
 
-    __slots__ = ("_inner", "_finish", "_done", "_value")
-
-    def __init__(self, inner: list[Handle], finish: Callable[[list], Any]) -> None:
-        self._inner, self._finish = inner, finish
-        self._done, self._value = False, None
-
-    def poll(self) -> bool:
-        return all(h.done() for h in self._inner)
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._value = self._finish([h.wait() for h in self._inner])
-            self._done = True
-        return self._value
-
-
-def poll(handle: JaxHandle) -> bool:
-    """True once the collective behind ``handle`` has finished."""
-    return handle.poll()
-
-
-def synchronize(handle: JaxHandle) -> Any:
-    """Wait for the collective and return its output (raises its error here)."""
-    return handle.wait()
+    __slots__ = ()
 
 
 def _no_tracers(tensors: Sequence[Any], what: str) -> None:
@@ -111,34 +89,26 @@ def _waiter(async_fn: Callable[..., Handle | list[Handle]]) -> HostFn:
 
 # ---- the device path (jax.Arrays on one CUDA GPU, see hora.jax.device) -----------------------------
 
-def _first(results: list) -> Any:
-    return results[0]
-
-
-def _on_device(requests: Sequence[Request | None], finish: Callable[[list], Any] = _first) -> JaxHandle | None:
-    """The handle of ``requests`` submitted to NCCL, or None (any of them takes the host path: then
-    all do, so that a group stays one unit)."""
-    ready = [r for r in requests if r is not None]
-    if not ready or len(ready) < len(requests):
+def _on_device(request: Request | None, finish: Callable[[Any], Any] = as_is) -> JaxHandle | None:
+    """The handle of ``request`` submitted to NCCL, or None when it takes the host path."""
+    if request is None:
         return None
-    return JaxHandle(collectives.submit_requests(ready), finish)
+    return JaxHandle(collectives.submit_requests([request])[0], finish)
 
 
 def _grouped_on_device(kind: Kind, tensors: Sequence[Any], name: str | None, process_set: ProcessSet,
                        **fields: Any) -> JaxHandle | None:
-    """A grouped collective on NCCL when every member is a CUDA array NCCL can carry, else None."""
+    """A grouped collective on NCCL when every member is a CUDA array NCCL can carry, else None (then
+    every member takes the host path, so that the group stays one unit)."""
     if not tensors or not all(device.is_cuda(t) for t in tensors):
         return None
     base, names = collectives.group_names(name, len(tensors), kind.value.lower(), process_set)
     requests = [device.cuda_request(kind, t, n, process_set, group=base, group_size=len(tensors), **fields)
                 for t, n in zip(tensors, names)]
-    return _on_device(requests, list)
-
-
-def _host_results(tensors: Sequence[Any]) -> Callable[[list], list]:
-    """Results of a host-path group back as jax.Arrays, each where its input lived."""
-    likes = list(tensors)
-    return lambda results: [to_jax(r, t) for r, t in zip(results, likes)]
+    ready = [r for r in requests if r is not None]
+    if len(ready) < len(requests):
+        return None
+    return JaxHandle(collectives.submit_requests(ready), list)
 
 
 # ---- allreduce ----------------------------------------------------------------------------------
@@ -169,13 +139,13 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
     """Start reducing ``tensor``; :func:`synchronize` returns a new jax.Array (outside jit only)."""
     _no_tracers([tensor], "allreduce_async")
     op = horovod_args.resolve_op(op, average)
-    handle = _on_device([device.cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=op,
-                                             prescale=prescale_factor, postscale=postscale_factor)])
+    handle = _on_device(device.cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=op,
+                                            prescale=prescale_factor, postscale=postscale_factor))
     if handle is not None:
         return handle
-    inner = collectives.allreduce_async(host_array(tensor), None, name, op, prescale_factor, postscale_factor,
+    inner = collectives.allreduce_async(to_host(tensor), None, name, op, prescale_factor, postscale_factor,
                                         process_set)
-    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
+    return JaxHandle(inner, new_one(adapter, tensor))
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, name: str | None = None,
@@ -204,9 +174,9 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                                 postscale=postscale_factor)
     if handle is not None:
         return handle
-    handles = collectives.grouped_allreduce_async([host_array(t) for t in tensors], None, name, op,
+    handles = collectives.grouped_allreduce_async([to_host(t) for t in tensors], None, name, op,
                                                   prescale_factor, postscale_factor, process_set)
-    return JaxHandle(handles, _host_results(tensors))
+    return JaxHandle(handles, new_each(adapter, tensors))
 
 
 # ---- allgather ----------------------------------------------------------------------------------
@@ -250,11 +220,11 @@ def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = gl
 def allgather_async(tensor: Any, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> JaxHandle:
     _no_tracers([tensor], "allgather_async")
-    handle = _on_device([device.cuda_request(Kind.ALLGATHER, _rows(tensor), name, process_set)])
+    handle = _on_device(device.cuda_request(Kind.ALLGATHER, _rows(tensor), name, process_set))
     if handle is not None:
         return handle
-    inner = collectives.allgather_async(host_array(tensor), name, process_set)
-    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
+    inner = collectives.allgather_async(to_host(tensor), name, process_set)
+    return JaxHandle(inner, new_one(adapter, tensor))
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
@@ -271,8 +241,8 @@ def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
     handle = _grouped_on_device(Kind.ALLGATHER, [_rows(t) for t in tensors], name, process_set)
     if handle is not None:
         return handle
-    handles = collectives.grouped_allgather_async([host_array(t) for t in tensors], name, process_set)
-    return JaxHandle(handles, _host_results(tensors))
+    handles = collectives.grouped_allgather_async([to_host(t) for t in tensors], name, process_set)
+    return JaxHandle(handles, new_each(adapter, tensors))
 
 
 # ---- broadcast ----------------------------------------------------------------------------------
@@ -291,11 +261,11 @@ def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
     _no_tracers([tensor], "broadcast_async")
     if device.is_cuda(tensor):
         collectives.check_root(root_rank, process_set)
-        handle = _on_device([device.cuda_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank))])
+        handle = _on_device(device.cuda_request(Kind.BROADCAST, tensor, name, process_set, root=int(root_rank)))
         if handle is not None:
             return handle
-    inner = collectives.broadcast_async(host_array(tensor), root_rank, name, process_set)
-    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
+    inner = collectives.broadcast_async(to_host(tensor), root_rank, name, process_set)
+    return JaxHandle(inner, new_one(adapter, tensor))
 
 
 # ---- alltoall -----------------------------------------------------------------------------------
@@ -305,7 +275,7 @@ def _splits(splits: Any) -> Any:
 
 
 def _received(received: Any) -> jax.Array:
-    return to_jax(np.asarray(received, dtype=np.int32))
+    return new_like(np.asarray(received, dtype=np.int32))
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
@@ -337,11 +307,11 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
     if device.is_cuda(tensor):
         split_list = collectives.alltoall_splits(tuple(tensor.shape), _splits(splits), process_set)
         request = device.cuda_request(Kind.ALLTOALL, tensor, name, process_set, splits=tuple(split_list))
-        handle = _on_device([request], lambda r: (r[0][0], _received(r[0][1])))
+        handle = _on_device(request, lambda r: (r[0], _received(r[1])))
         if handle is not None:
             return handle
-    inner = collectives.alltoall_async(host_array(tensor), _splits(splits), name, process_set)
-    return JaxHandle([inner], lambda r: (to_jax(r[0][0], tensor), _received(r[0][1])))
+    inner = collectives.alltoall_async(to_host(tensor), _splits(splits), name, process_set)
+    return JaxHandle(inner, lambda r: (new_like(r[0], tensor), _received(r[1])))
 
 
 # ---- reducescatter ------------------------------------------------------------------------------
@@ -377,13 +347,13 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
     _no_tracers([tensor], "reducescatter_async")
     if _scatterable([tensor]):
         op = horovod_args.check_sum_or_average(op, "reducescatter")
-        handle = _on_device([device.cuda_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op,
-                                                 prescale=prescale_factor, postscale=postscale_factor)])
+        handle = _on_device(device.cuda_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op,
+                                                prescale=prescale_factor, postscale=postscale_factor))
         if handle is not None:
             return handle
-    inner = collectives.reducescatter_async(host_array(tensor), name, op, process_set, prescale_factor,
+    inner = collectives.reducescatter_async(to_host(tensor), name, op, process_set, prescale_factor,
                                             postscale_factor)
-    return JaxHandle([inner], lambda r: to_jax(r[0], tensor))
+    return JaxHandle(inner, new_one(adapter, tensor))
 
 
 def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, compression=Compression.none,
@@ -410,9 +380,9 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
                                     prescale=prescale_factor, postscale=postscale_factor)
         if handle is not None:
             return handle
-    handles = collectives.grouped_reducescatter_async([host_array(t) for t in tensors], name, op, process_set,
+    handles = collectives.grouped_reducescatter_async([to_host(t) for t in tensors], name, op, process_set,
                                                       prescale_factor, postscale_factor)
-    return JaxHandle(handles, _host_results(tensors))
+    return JaxHandle(handles, new_each(adapter, tensors))
 
 
 # ---- control ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import mxnet as mx
 from hora import basics, batched, collectives
 from hora.basics import ProcessSet, global_process_set
 from hora.mxnet.mpi_ops import broadcast_
-from hora.mxnet.tensors import to_numpy, write_into
+from hora.mxnet.tensors import to_host, write_into
 
 
 def _broadcast_after_init(param: mx.gluon.Parameter, root_rank: int, name: str) -> None:
@@ -49,7 +49,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0, prefix: str | None = N
                 _broadcast_after_init(p, root_rank, f"{prefix}{name}")
         else:
             targets.append(p)
-    arrays = [to_numpy(t, "broadcast_parameters") for t in targets]
+    arrays = [to_host(t, "broadcast_parameters") for t in targets]
     values = batched.broadcast_arrays(arrays, root_rank, name=f"{prefix}broadcast_parameters")
     for target, value in zip(targets, values):
         write_into(target, value)

@@ -20,8 +20,17 @@ import numpy as np
 
 from hora import collectives
 from hora.basics import Average, ProcessSet, global_process_set
-from hora.handles import ConvertingHandle
-from hora.mxnet.tensors import from_numpy, to_numpy, write_into
+from hora.binding import (
+    ConvertingHandle,
+    new_each,
+    new_one,
+    poll as poll,
+    synchronize as synchronize,
+    write_each,
+    write_one,
+)
+from hora.mxnet import tensors as adapter
+from hora.mxnet.tensors import new_like, to_host
 
 _priority_warned = False
 
@@ -40,19 +49,9 @@ class MXHandle(ConvertingHandle):
     __slots__ = ()
 
 
-def poll(handle: MXHandle) -> bool:
-    """True once the collective behind ``handle`` has finished."""
-    return handle.poll()
-
-
-def synchronize(handle: MXHandle) -> Any:
-    """Wait for the collective and return its output NDArray(s); raises its error here."""
-    return handle.wait()
-
-
 def _arrays(tensors: Sequence[mx.nd.NDArray], what: str) -> list[np.ndarray]:
     # Every tensor is checked before anything is submitted: a refused one leaves no peer waiting.
-    return [to_numpy(t, what) for t in tensors]
+    return [to_host(t, what) for t in tensors]
 
 
 # ---- allreduce ----------------------------------------------------------------------------------
@@ -62,9 +61,9 @@ def allreduce_async(tensor: mx.nd.NDArray, average: bool | None = None, name: st
                     process_set: ProcessSet = global_process_set, op: int | None = None) -> MXHandle:
     """Start reducing ``tensor`` across ranks (Average unless ``op``/``average`` say otherwise)."""
     _note_priority(priority)
-    arr = to_numpy(tensor, "allreduce")
+    arr = to_host(tensor, "allreduce")
     handle = collectives.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor, process_set)
-    return MXHandle(handle, lambda result: from_numpy(result, tensor))
+    return MXHandle(handle, new_one(adapter, tensor))
 
 
 def allreduce_async_(tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None,
@@ -72,9 +71,9 @@ def allreduce_async_(tensor: mx.nd.NDArray, average: bool | None = None, name: s
                      process_set: ProcessSet = global_process_set, op: int | None = None) -> MXHandle:
     """Start reducing ``tensor`` in place; :func:`synchronize` returns ``tensor`` holding the result."""
     _note_priority(priority)
-    arr = to_numpy(tensor, "allreduce_")
+    arr = to_host(tensor, "allreduce_")
     handle = collectives.allreduce_async_(arr, average, name, op, prescale_factor, postscale_factor, process_set)
-    return MXHandle(handle, lambda result: write_into(tensor, result))
+    return MXHandle(handle, write_one(adapter, tensor))
 
 
 def allreduce(tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None, priority: int = 0,
@@ -101,7 +100,7 @@ def grouped_allreduce_async(tensors: Sequence[mx.nd.NDArray], average: bool | No
     tensors = list(tensors)
     handles = collectives.grouped_allreduce_async(_arrays(tensors, "grouped_allreduce"), average, name, op,
                                                   prescale_factor, postscale_factor, process_set)
-    return MXHandle(handles, lambda results: [from_numpy(r, t) for r, t in zip(results, tensors)])
+    return MXHandle(handles, new_each(adapter, tensors))
 
 
 def grouped_allreduce_async_(tensors: Sequence[mx.nd.NDArray], average: bool | None = None,
@@ -113,7 +112,7 @@ def grouped_allreduce_async_(tensors: Sequence[mx.nd.NDArray], average: bool | N
     tensors = list(tensors)
     handles = collectives.grouped_allreduce_async_(_arrays(tensors, "grouped_allreduce_"), average, name, op,
                                                    prescale_factor, postscale_factor, process_set)
-    return MXHandle(handles, lambda results: [write_into(t, r) for r, t in zip(results, tensors)])
+    return MXHandle(handles, write_each(adapter, tensors))
 
 
 def grouped_allreduce(tensors: Sequence[mx.nd.NDArray], average: bool | None = None, name: str | None = None,
@@ -141,8 +140,8 @@ def grouped_allreduce_(tensors: Sequence[mx.nd.NDArray], average: bool | None = 
 def allgather_async(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
                     process_set: ProcessSet = global_process_set) -> MXHandle:
     _note_priority(priority)
-    handle = collectives.allgather_async(to_numpy(tensor, "allgather"), name, process_set)
-    return MXHandle(handle, lambda result: from_numpy(result, tensor))
+    handle = collectives.allgather_async(to_host(tensor, "allgather"), name, process_set)
+    return MXHandle(handle, new_one(adapter, tensor))
 
 
 def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
@@ -156,7 +155,7 @@ def grouped_allgather_async(tensors: Sequence[mx.nd.NDArray], name: str | None =
     _note_priority(priority)
     tensors = list(tensors)
     handles = collectives.grouped_allgather_async(_arrays(tensors, "grouped_allgather"), name, process_set)
-    return MXHandle(handles, lambda results: [from_numpy(r, t) for r, t in zip(results, tensors)])
+    return MXHandle(handles, new_each(adapter, tensors))
 
 
 def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None, priority: int = 0,
@@ -172,15 +171,15 @@ def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
 def broadcast_async(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None, priority: int = 0,
                     process_set: ProcessSet = global_process_set) -> MXHandle:
     _note_priority(priority)
-    handle = collectives.broadcast_async(to_numpy(tensor, "broadcast"), root_rank, name, process_set)
-    return MXHandle(handle, lambda result: from_numpy(result, tensor))
+    handle = collectives.broadcast_async(to_host(tensor, "broadcast"), root_rank, name, process_set)
+    return MXHandle(handle, new_one(adapter, tensor))
 
 
 def broadcast_async_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None, priority: int = 0,
                      process_set: ProcessSet = global_process_set) -> MXHandle:
     _note_priority(priority)
-    handle = collectives.broadcast_async_(to_numpy(tensor, "broadcast_"), root_rank, name, process_set)
-    return MXHandle(handle, lambda result: write_into(tensor, result))
+    handle = collectives.broadcast_async_(to_host(tensor, "broadcast_"), root_rank, name, process_set)
+    return MXHandle(handle, write_one(adapter, tensor))
 
 
 def broadcast(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None, priority: int = 0,
@@ -205,8 +204,8 @@ def alltoall_async(tensor: mx.nd.NDArray, splits: Any = None, name: str | None =
                    process_set: ProcessSet = global_process_set) -> MXHandle:
     """Start sending ``splits[j]`` rows to rank j; :func:`synchronize` returns (output, received_splits)."""
     _note_priority(priority)
-    handle = collectives.alltoall_async(to_numpy(tensor, "alltoall"), _splits(splits), name, process_set)
-    return MXHandle(handle, lambda res: (from_numpy(res[0], tensor),
+    handle = collectives.alltoall_async(to_host(tensor, "alltoall"), _splits(splits), name, process_set)
+    return MXHandle(handle, lambda res: (new_like(res[0], tensor),
                                          mx.nd.array(res[1], ctx=mx.cpu(), dtype="int32")))
 
 
@@ -223,9 +222,9 @@ def reducescatter_async(tensor: mx.nd.NDArray, op: int = Average, name: str | No
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> MXHandle:
     _note_priority(priority)
-    handle = collectives.reducescatter_async(to_numpy(tensor, "reducescatter"), name, op, process_set,
+    handle = collectives.reducescatter_async(to_host(tensor, "reducescatter"), name, op, process_set,
                                              prescale_factor, postscale_factor)
-    return MXHandle(handle, lambda result: from_numpy(result, tensor))
+    return MXHandle(handle, new_one(adapter, tensor))
 
 
 def reducescatter(tensor: mx.nd.NDArray, op: int = Average, name: str | None = None, priority: int = 0,
@@ -243,7 +242,7 @@ def grouped_reducescatter_async(tensors: Sequence[mx.nd.NDArray], op: int = Aver
     tensors = list(tensors)
     handles = collectives.grouped_reducescatter_async(_arrays(tensors, "grouped_reducescatter"), name, op,
                                                       process_set, prescale_factor, postscale_factor)
-    return MXHandle(handles, lambda results: [from_numpy(r, t) for r, t in zip(results, tensors)])
+    return MXHandle(handles, new_each(adapter, tensors))
 
 
 def grouped_reducescatter(tensors: Sequence[mx.nd.NDArray], op: int = Average, name: str | None = None,

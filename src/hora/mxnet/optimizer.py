@@ -18,11 +18,11 @@ from typing import Any
 
 import mxnet as mx
 
-from hora import batched
+from hora import batched, horovod_args
 from hora.basics import ProcessSet, global_process_set
 from hora.horovod_args import GradientReduction
 from hora.mxnet.compression import Compression
-from hora.mxnet.tensors import check, from_numpy, to_numpy, where, write_into
+from hora.mxnet.tensors import check_dtype, new_like, to_host, where, write_into
 from hora.transport.base import ReduceOp
 
 
@@ -44,13 +44,13 @@ def _reduce_in_place(grads: Sequence[mx.nd.NDArray], names: Sequence[str], reduc
                      groups: int | None, compression: Any = Compression.none) -> None:
     """Sum ``grads`` over the process set (compressed on the wire) and write the results back into them."""
     compressed = [compression.compress(g) for g in grads]
-    arrays = [to_numpy(c, "gradient allreduce") for c, _ in compressed]
+    arrays = [to_host(c, "gradient allreduce") for c, _ in compressed]
     results = batched.start(arrays, names, reduction, groups).wait()
     for grad, (c, ctx), result in zip(grads, compressed, results):
         if c is grad:  # sent as it is: one host copy back
             write_into(grad, result)
         else:
-            grad[:] = compression.decompress(from_numpy(result, c), ctx)
+            grad[:] = compression.decompress(new_like(result, c), ctx)
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -70,6 +70,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         object.__setattr__(self, "_num_groups", _groups(num_groups))
         object.__setattr__(self, "_process_set", process_set)
         object.__setattr__(self, "_gradient_predivide_factor", float(gradient_predivide_factor))
+        # Horovod's MXNet optimizer takes no compression argument; HORA_COMPRESSION (hora run
+        # --compression) still reaches it, as it reaches every gradient wrapper left at none.
+        object.__setattr__(self, "_compression", horovod_args.check_compression(Compression.none))
         optimizer.rescale_grad *= float(gradient_predivide_factor) / process_set.size()
 
     def __getattr__(self, item: str) -> Any:
@@ -91,8 +94,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         indices = list(index) if isinstance(index, (tuple, list)) else [index]
         grads = list(grad) if isinstance(grad, (tuple, list)) else [grad]
         for i, g in zip(indices, grads):
-            check(g, f"DistributedOptimizer (gradient of parameter index {i})")
-        _reduce_in_place(grads, [f"mxnet.optimizer.{i}" for i in indices], self._reduction, self._num_groups)
+            check_dtype(g, f"DistributedOptimizer (gradient of parameter index {i})")
+        _reduce_in_place(grads, [f"mxnet.optimizer.{i}" for i in indices], self._reduction, self._num_groups,
+                         self._compression)
 
     def update(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
         self._do_allreduce(index, grad)
@@ -125,7 +129,7 @@ class DistributedTrainer(mx.gluon.Trainer):
                  compression: Any = Compression.none, gradient_predivide_factor: float = 1.0,
                  prefix: str | None = None, num_groups: int = 0,
                  process_set: ProcessSet = global_process_set) -> None:
-        self._compression = compression
+        self._compression = horovod_args.check_compression(compression)
         self._reduction = _sum_reduction(gradient_predivide_factor, process_set)
         self._process_set = process_set
         if isinstance(optimizer, DistributedOptimizer):

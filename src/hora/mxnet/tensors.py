@@ -1,4 +1,4 @@
-"""MXNet NDArrays as the engine's NumPy buffers.
+"""MXNet NDArrays as the engine's NumPy buffers: hora.mxnet's :class:`hora.binding.Adapter`.
 
 hora's engine reduces NumPy arrays. An NDArray's memory belongs to MXNet's asynchronous engine, so
 it is read with ``asnumpy()`` (which waits for the operations that write it) and results are
@@ -25,22 +25,23 @@ def where() -> str:
         return socket.gethostname()
 
 
-def check(tensor: mx.nd.NDArray, what: str) -> mx.nd.NDArray:
-    """``tensor`` if it is a dense NDArray; a TypeError/ValueError naming the rank otherwise."""
+def check_dtype(tensor: mx.nd.NDArray, what: str = "collective") -> None:
+    """Refuse anything but a dense NDArray with a TypeError/ValueError naming ``what`` (the operation)
+    and the rank; dtypes are the engine's to refuse."""
     if not isinstance(tensor, mx.nd.NDArray):
         raise TypeError(f"hora.mxnet.{what} ({where()}): expected an mxnet NDArray, got {type(tensor).__name__}")
     if tensor.stype != "default":
         raise ValueError(f"hora.mxnet.{what} ({where()}): got a sparse NDArray (storage type {tensor.stype!r}); "
                          "Horovod's MXNet collectives take dense NDArrays only: pass tensor.tostype('default')")
-    return tensor
 
 
-def to_numpy(tensor: mx.nd.NDArray, what: str) -> np.ndarray:
+def to_host(tensor: mx.nd.NDArray, what: str = "collective") -> np.ndarray:
     """A C-contiguous host copy of a dense NDArray (waits for MXNet to finish writing it)."""
-    return np.ascontiguousarray(check(tensor, what).asnumpy())
+    check_dtype(tensor, what)
+    return np.ascontiguousarray(tensor.asnumpy())
 
 
-def from_numpy(array: np.ndarray, like: mx.nd.NDArray) -> mx.nd.NDArray:
+def new_like(array: np.ndarray, like: mx.nd.NDArray) -> mx.nd.NDArray:
     """A new NDArray holding ``array``, on ``like``'s context.
 
     An empty NDArray filled by one host copy: ``mx.nd.array`` takes several times longer for the
@@ -60,5 +61,5 @@ def write_into(tensor: mx.nd.NDArray, array: np.ndarray) -> mx.nd.NDArray:
     try:
         tensor[:] = array
     except mx.base.MXNetError:
-        tensor[:] = from_numpy(array, tensor).astype(tensor.dtype, copy=False)
+        tensor[:] = new_like(array, tensor).astype(tensor.dtype, copy=False)
     return tensor

@@ -86,6 +86,14 @@ def unit_interval(text: str) -> float:
     return value
 
 
+def compression_choice(text: str) -> str:
+    """``--compression``'s value in HORA_COMPRESSION's canonical spelling (the knob's own grammar)."""
+    try:
+        return str(config.knob("compression").parse(str(text)))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def interface_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
@@ -174,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="engine cycle time in milliseconds")
     tuning.add_argument("--cache-capacity", type=nonneg_int, metavar="N",
                         help="response cache entries; 0 disables the cache")
+    tuning.add_argument("--compression", type=compression_choice, metavar="NAME[:RANK[:START_ITER]]",
+                        help="compression of every gradient wrapper (DistributedOptimizer, "
+                             "DistributedGradientTape) the script builds without a compression argument: "
+                             "none, fp16, bf16 or powersgd[:RANK[:START_ITER]], e.g. powersgd:4 (PowerSGD: "
+                             "hora.torch.DistributedOptimizer only); sets HORA_COMPRESSION. hora's, "
+                             "not horovodrun's")
     allreduce = tuning.add_mutually_exclusive_group()
     allreduce.add_argument("--hierarchical-allreduce", action="store_true", default=None,
                            help="reduce within each host first, then across hosts")
@@ -561,6 +575,7 @@ _KNOB_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "fusion_threshold_mb": ("fusion_threshold", lambda mb: int(round(mb * config.MiB))),
     "cycle_time_ms": ("cycle_time", float),
     "cache_capacity": ("cache_capacity", int),
+    "compression": ("compression", str),
     "hierarchical_allreduce": ("hierarchical_allreduce", bool),
     "autotune": ("autotune", bool),
     "autotune_log_file": ("autotune_log", str),

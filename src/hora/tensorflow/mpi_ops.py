@@ -29,7 +29,7 @@ from hora.engine.request import Kind
 from hora.horovod_args import GradientReduction, check_sum_or_average, resolve_op
 from hora.tensorflow import device
 from hora.tensorflow.gradients import allreduce_list
-from hora.tensorflow.tensors import collective_name, graph_mode, leading_unknown, run_numpy, to_tensor
+from hora.tensorflow.tensors import collective_name, graph_mode, leading_unknown, run_numpy, to_tensor, write_into
 
 
 def _upstream(dy: tf.Tensor | None, like: tf.Tensor) -> tf.Tensor:
@@ -245,7 +245,7 @@ def assign_from_root(variables: Sequence[Any], root_rank: int, name: str | None 
 
     results = run_numpy(body, values, [v.dtype for v in values], [v.shape for v in values], name="HoraBroadcastInplace",
                         collective=name)
-    return [variable.assign(result) for variable, result in zip(variables, results)]
+    return [write_into(variable, result) for variable, result in zip(variables, results)]
 
 
 # ---- alltoall -----------------------------------------------------------------------------------

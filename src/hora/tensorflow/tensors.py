@@ -1,5 +1,5 @@
 """Running hora's NumPy collectives on TensorFlow tensors: eagerly, inside ``tf.function`` and in
-TensorFlow 1 graphs run by a ``tf.compat.v1.Session``.
+TensorFlow 1 graphs run by a ``tf.compat.v1.Session``; hora.tensorflow's :class:`hora.binding.Adapter`.
 
 Every hora.tensorflow collective is one Python function on NumPy arrays (it submits to the engine
 and waits), and most also have a device form on EagerTensors (:mod:`hora.tensorflow.device`: GPU
@@ -46,13 +46,36 @@ SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.uint16, tf.int32, tf.int64, tf.floa
 ShapeLike = Any  # tf.TensorShape, a list with None for unknown dimensions, or None (unknown rank)
 
 
-def to_tensor(value: Any, what: str = "tensor") -> tf.Tensor:
-    """A tf.Tensor for a tensor, a tf.Variable (its current value), a Keras variable or array-like."""
-    tensor = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
+def check_dtype(tensor: tf.Tensor, what: str = "tensor") -> None:
+    """Refuse a dtype the engine lacks when the op is built (or called eagerly), not when it runs."""
     if tensor.dtype not in SUPPORTED:
         names = ", ".join(d.name for d in SUPPORTED)
         raise TypeError(f"{what} has dtype {tensor.dtype.name}, which hora does not support; supported: {names}")
+
+
+def to_tensor(value: Any, what: str = "tensor") -> tf.Tensor:
+    """A tf.Tensor for a tensor, a tf.Variable (its current value), a Keras variable or array-like:
+    what every collective takes, checked by :func:`check_dtype`."""
+    tensor = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
+    check_dtype(tensor, what)
     return tensor
+
+
+def to_host(tensor: tf.Tensor) -> np.ndarray:
+    """An EagerTensor's value as NumPy (where TensorFlow allows, a view of its host memory). In a graph
+    TensorFlow itself hands the op's body host copies (:func:`run_numpy`)."""
+    return tensor.numpy()
+
+
+def new_like(array: np.ndarray, like: tf.Tensor) -> tf.Tensor:
+    """An EagerTensor holding ``array`` with ``like``'s dtype; TensorFlow places it where it is used."""
+    return tf.convert_to_tensor(np.asarray(array), dtype=like.dtype)
+
+
+def write_into(tensor: Any, array: Any) -> Any:
+    """Assign ``array`` (a result, or a graph's tensor of it) to ``tensor``, a ``tf.Variable`` or Keras
+    variable (TensorFlow's tensors are immutable): the assignment, which is an op in a graph."""
+    return tensor.assign(array)
 
 
 def _refuse_xla() -> None:
@@ -167,7 +190,7 @@ def _eager_call(body: Callable[..., Sequence[np.ndarray]], on_device: DeviceBody
         results = on_device(*tensors)
         if results is not None:
             return list(results)
-    results = body(*[t.numpy() for t in tensors])
+    results = body(*[to_host(t) for t in tensors])
     return [tf.convert_to_tensor(np.asarray(r), dtype=d) for r, d in zip(results, out_dtypes)]
 
 

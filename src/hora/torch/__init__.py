@@ -43,3 +43,5 @@ from hora.torch.mpi_ops import (
 )
 from hora.torch.optimizer import DistributedOptimizer as DistributedOptimizer
 from hora.torch.sync_batch_norm import SyncBatchNorm as SyncBatchNorm
+from hora.torch.zero import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
+from hora.torch.zero_memory import MemoryReport as MemoryReport, memory_report as memory_report

@@ -10,7 +10,8 @@ import torch
 from hora import collectives
 from hora.basics import ProcessSet, global_process_set
 from hora.torch import mpi_ops
-from hora.torch.optimizer import _DistributedOptimizer
+from hora.torch.optimizer import _DistributedOptimizer, _ShardedDistributedOptimizer
+from hora.torch.zero import ZeroRedundancyOptimizer
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int) -> None:
@@ -71,6 +72,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     """Give every rank ``root_rank``'s optimizer state: hyper-parameters and per-parameter tensors."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (it keeps Python lists of history)")
+    if isinstance(optimizer, (ZeroRedundancyOptimizer, _ShardedDistributedOptimizer)):
+        # Each rank holds the state of its own shard only: there is no whole state on the root to send.
+        raise ValueError("broadcast_optimizer_state: a ZeroRedundancyOptimizer's (or a DistributedOptimizer's with "
+                         "shard_optimizer_state=True) state is sharded across the "
+                         "ranks. To give every rank the same state, call optimizer.consolidate_state_dict(to=root) "
+                         "on every rank, broadcast optimizer.state_dict() from the root (hvd.broadcast_object) and "
+                         "pass it to optimizer.load_state_dict() on every rank: each keeps its own shard")
     _initialise_state(optimizer)
     # Scalar hyper-parameters (lr, momentum, betas, ...) travel as one object.
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

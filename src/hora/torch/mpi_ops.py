@@ -15,11 +15,20 @@ import torch
 
 from hora import basics, collectives, horovod_args
 from hora.basics import Average, ProcessSet, Sum, global_process_set
+from hora.binding import (
+    ConvertingHandle,
+    as_is,
+    new_each,
+    new_one,
+    poll as poll,
+    synchronize as synchronize,
+    write_one,
+)
 from hora.engine.request import Kind
-from hora.handles import ConvertingHandle
+from hora.torch import tensors as adapter
 from hora.torch.compression import Compression
 from hora.torch.device import cuda_request
-from hora.torch.tensors import as_array, check_dtype, from_array, shares_memory
+from hora.torch.tensors import check_dtype, new_like, shares_memory, to_host
 
 
 class TorchHandle(ConvertingHandle):
@@ -38,21 +47,7 @@ class SparseHandle(TorchHandle):
         return self.wait()
 
 
-def poll(handle: TorchHandle) -> bool:
-    """True once the collective behind ``handle`` has finished."""
-    return handle.poll()
-
-
-def synchronize(handle: TorchHandle) -> Any:
-    """Wait for the collective and return its output tensor (raises its error here)."""
-    return handle.wait()
-
-
 # ---- CUDA tensors on NCCL (hora.torch.device); everything else goes through host memory -----------
-
-def _same(result: Any) -> Any:
-    return result
-
 
 def _grouped_allreduce_cuda(tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet,
                             inplace: bool, **fields: Any) -> TorchHandle | None:
@@ -65,7 +60,7 @@ def _grouped_allreduce_cuda(tensors: Sequence[torch.Tensor], name: str | None, p
     device_requests = [r for r in requests if r is not None]
     if len(device_requests) < len(requests):
         return None
-    return TorchHandle(collectives.submit_requests(device_requests), _same)
+    return TorchHandle(collectives.submit_requests(device_requests), as_is)
 
 
 def _broadcast_cuda(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
@@ -78,23 +73,12 @@ def _broadcast_cuda(tensor: torch.Tensor, root_rank: int, name: str | None, proc
 
 # ---- allreduce ----------------------------------------------------------------------------------
 
-def _new_tensor(like: torch.Tensor) -> Callable[[np.ndarray], torch.Tensor]:
-    return lambda result: from_array(result, like)
-
-
 def _inplace(tensor: torch.Tensor) -> tuple[np.ndarray, Callable[[Any], torch.Tensor]]:
     """A buffer the engine may overwrite, and how to land its contents in ``tensor``."""
     check_dtype(tensor)
     if shares_memory(tensor):
-        return as_array(tensor), lambda _: tensor
-    host = as_array(tensor).copy()
-
-    def copy_back(_: Any) -> torch.Tensor:
-        with torch.no_grad():
-            tensor.copy_(from_array(host, tensor))
-        return tensor
-
-    return host, copy_back
+        return to_host(tensor), lambda _: tensor
+    return to_host(tensor).copy(), write_one(adapter, tensor)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -105,10 +89,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         request = cuda_request(Kind.ALLREDUCE, tensor, name, process_set, op=horovod_args.resolve_op(op, average),
                                prescale=prescale_factor, postscale=postscale_factor)
         if request is not None:
-            return TorchHandle(collectives.submit_requests([request])[0], _same)
-    handle = collectives.allreduce_async(as_array(tensor), average, name, op, prescale_factor,
+            return TorchHandle(collectives.submit_requests([request])[0], as_is)
+    handle = collectives.allreduce_async(to_host(tensor), average, name, op, prescale_factor,
                                          postscale_factor, process_set)
-    return TorchHandle(handle, _new_tensor(tensor))
+    return TorchHandle(handle, new_one(adapter, tensor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -120,7 +104,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                                op=horovod_args.resolve_op(op, average), prescale=prescale_factor,
                                postscale=postscale_factor)
         if request is not None:
-            return TorchHandle(collectives.submit_requests([request])[0], _same)
+            return TorchHandle(collectives.submit_requests([request])[0], as_is)
     buf, finish = _inplace(tensor)
     handle = collectives.allreduce_async_(buf, average, name, op, prescale_factor, postscale_factor, process_set)
     return TorchHandle(handle, finish)
@@ -185,10 +169,9 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                                      prescale=prescale_factor, postscale=postscale_factor)
     if device is not None:
         return device
-    handles = collectives.grouped_allreduce_async([as_array(t) for t in tensors], average, name, op,
+    handles = collectives.grouped_allreduce_async([to_host(t) for t in tensors], average, name, op,
                                                   prescale_factor, postscale_factor, process_set)
-    likes = list(tensors)
-    return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
+    return TorchHandle(handles, new_each(adapter, tensors))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -245,8 +228,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """Start concatenating every rank's tensor along dimension 0."""
     request = cuda_request(Kind.ALLGATHER, tensor if tensor.dim() else tensor.reshape(1), name, process_set)
     if request is not None:
-        return TorchHandle(collectives.submit_requests([request])[0], _same)
-    return TorchHandle(collectives.allgather_async(as_array(tensor), name, process_set), _new_tensor(tensor))
+        return TorchHandle(collectives.submit_requests([request])[0], as_is)
+    return TorchHandle(collectives.allgather_async(to_host(tensor), name, process_set), new_one(adapter, tensor))
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -274,9 +257,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> TorchHandle:
-    handles = collectives.grouped_allgather_async([as_array(t) for t in tensors], name, process_set)
-    likes = list(tensors)
-    return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
+    handles = collectives.grouped_allgather_async([to_host(t) for t in tensors], name, process_set)
+    return TorchHandle(handles, new_each(adapter, tensors))
 
 
 class _GroupedAllgatherFunction(torch.autograd.Function):
@@ -309,16 +291,16 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     request = _broadcast_cuda(tensor, root_rank, name, process_set, False)
     if request is not None:
-        return TorchHandle(collectives.submit_requests([request])[0], _same)
-    return TorchHandle(collectives.broadcast_async(as_array(tensor), root_rank, name, process_set),
-                       _new_tensor(tensor))
+        return TorchHandle(collectives.submit_requests([request])[0], as_is)
+    return TorchHandle(collectives.broadcast_async(to_host(tensor), root_rank, name, process_set),
+                       new_one(adapter, tensor))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> TorchHandle:
     request = _broadcast_cuda(tensor, root_rank, name, process_set, True)
     if request is not None:
-        return TorchHandle(collectives.submit_requests([request])[0], _same)
+        return TorchHandle(collectives.submit_requests([request])[0], as_is)
     buf, finish = _inplace(tensor)
     return TorchHandle(collectives.broadcast_async_(buf, root_rank, name, process_set), finish)
 
@@ -365,8 +347,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         if request is not None:
             return TorchHandle(collectives.submit_requests([request])[0],
                                lambda res: (res[0], torch.from_numpy(res[1]).to(torch.int32)))
-    handle = collectives.alltoall_async(as_array(tensor), _splits_list(splits), name, process_set)
-    return TorchHandle(handle, lambda res: (from_array(res[0], tensor), torch.from_numpy(res[1]).to(torch.int32)))
+    handle = collectives.alltoall_async(to_host(tensor), _splits_list(splits), name, process_set)
+    return TorchHandle(handle, lambda res: (new_like(res[0], tensor), torch.from_numpy(res[1]).to(torch.int32)))
 
 
 class _AlltoallFunction(torch.autograd.Function):
@@ -400,10 +382,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
                                op=horovod_args.check_sum_or_average(op, "reducescatter"),
                                prescale=prescale_factor, postscale=postscale_factor)
         if request is not None:
-            return TorchHandle(collectives.submit_requests([request])[0], _same)
-    handle = collectives.reducescatter_async(as_array(tensor), name, op, process_set, prescale_factor,
+            return TorchHandle(collectives.submit_requests([request])[0], as_is)
+    handle = collectives.reducescatter_async(to_host(tensor), name, op, process_set, prescale_factor,
                                              postscale_factor)
-    return TorchHandle(handle, _new_tensor(tensor))
+    return TorchHandle(handle, new_one(adapter, tensor))
 
 
 class _ReducescatterFunction(torch.autograd.Function):
@@ -433,10 +415,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> TorchHandle:
-    handles = collectives.grouped_reducescatter_async([as_array(t) for t in tensors], name, op, process_set,
+    handles = collectives.grouped_reducescatter_async([to_host(t) for t in tensors], name, op, process_set,
                                                       prescale_factor, postscale_factor)
-    likes = list(tensors)
-    return TorchHandle(handles, lambda results: [from_array(r, t) for r, t in zip(results, likes)])
+    return TorchHandle(handles, new_each(adapter, tensors))
 
 
 class _GroupedReducescatterFunction(torch.autograd.Function):
@@ -476,14 +457,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
     indices = t.indices().t().contiguous()
     values = t.values().contiguous()
     handles = [
-        collectives.allgather_async(as_array(indices), f"{name}.indices", process_set),
-        collectives.allgather_async(as_array(values), f"{name}.values", process_set),
+        collectives.allgather_async(to_host(indices), f"{name}.indices", process_set),
+        collectives.allgather_async(to_host(values), f"{name}.values", process_set),
     ]
     count = len(process_set.ranks)
 
     def finish(results: list[np.ndarray]) -> torch.Tensor:
-        all_indices = from_array(results[0]).t()
-        all_values = from_array(results[1], tensor)
+        all_indices = new_like(results[0]).t()
+        all_values = new_like(results[1], tensor)
         if op == Average:
             all_values = all_values / count
         out = torch.sparse_coo_tensor(all_indices.to(tensor.device), all_values, tensor.shape)

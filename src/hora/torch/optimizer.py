@@ -4,6 +4,11 @@ A hook on every parameter fires as soon as its gradient has been accumulated and
 asynchronous allreduce of it, so communication overlaps the rest of the backward pass. ``step()``
 waits for whatever is still in flight, then lets the wrapped optimizer update the weights.
 
+Gradients travel in buckets (one request each; :mod:`hora.gradient_buckets` plans them), and each
+bucket owns a flat buffer of which its parameters' ``.grad`` are views, as with PyTorch DDP's
+``gradient_as_bucket_view``: the allreduce runs in place on the buffer, so nothing is flattened in the
+hooks or copied back at ``synchronize()`` while the gradients stay views (:class:`_BucketBuffer`).
+
 ``DistributedOptimizer(op=hvd.Adasum)`` is Horovod's Adasum optimizer (in this module, as in Horovod),
 which reduces weight updates, not gradients. Adasum needs the full magnitude of what it combines, and
 a gradient is not yet an update (momentum, Adam's scaling). So, as in Horovod, every rank first takes
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +36,13 @@ import torch
 
 from hora import basics, collectives, gradient_buckets, horovod_args
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
+from hora.compression import PowerSGDSpec
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
 from hora.torch import mpi_ops
 from hora.torch.compression import Compression
+from hora.torch.powersgd import PowerSGDReducer
+from hora.torch.zero import ZeroRedundancyOptimizer
 
 
 class _Pending:
@@ -44,6 +53,137 @@ class _Pending:
     def __init__(self, handle: mpi_ops.TorchHandle, finish) -> None:
         self.handle = handle
         self.finish = finish
+
+
+# Slots in a bucket's buffer start at multiples of this many bytes: CUDA's multi-tensor kernels (the
+# optimizers' foreach paths) vectorise only over 16-byte aligned tensors. The padding stays zero.
+_SLOT_ALIGN_BYTES = 16
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _gradient_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides autograd gives ``p``'s gradient (its gradient layout contract), so that a view
+    stands in for the gradient autograd would make: ``p``'s own where ``p`` covers its memory densely
+    without overlap (a channels_last weight keeps channels_last), row-major otherwise."""
+    if p.numel() == 0:
+        return _row_major(p.shape)
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(p.shape, p.stride()) if sz != 1):
+        if stride != expected:
+            return _row_major(p.shape)
+        expected *= size
+    return tuple(p.stride())
+
+
+def _layout_tag(slots: Sequence[tuple[torch.Size, tuple[int, ...], int]]) -> str:
+    """A suffix for the bucket's request name: empty where every slot holds its gradient in row-major
+    order, else a digest of the orders. Ranks whose parameters differ in memory layout (channels_last
+    on one rank only) would sum mismatched elements under one name; with this they submit different
+    names, which the engine reports, instead of a wrong sum."""
+    def order(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(st for size, st in zip(shape, strides) if size != 1)  # size-1 dims order nothing
+
+    orders = [order(shape, strides) for shape, strides, _ in slots]
+    if orders == [order(shape, _row_major(shape)) for shape, _, _ in slots]:
+        return ""
+    return f".strided{zlib.crc32(repr(orders).encode()):08x}"
+
+
+class _BucketBuffer:
+    """A bucket's persistent flat gradient buffer; each parameter's ``.grad`` is a view of its slice.
+
+    The allreduce then runs in place on the buffer and lands in the gradients with nothing to copy
+    back, and while the gradients stay views (``zero_grad(set_to_none=False)`` zeroes them in place,
+    autograd adds to them in place) nothing is copied in either. A gradient that is not its view (the
+    first step, a new one after ``zero_grad()``'s ``None``, a ``.grad`` the user assigned) is copied
+    into its slice once and replaced by the view. The buffer is cut on the bucket's first reduction,
+    from the parameters as they are then, and again when a parameter's storage changes
+    (``model.double()``, ``model.to(device)``).
+    """
+
+    __slots__ = ("params", "flat", "views", "addresses", "param_addresses", "layout", "tag")
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.addresses: list[int] = []  # each view's data_ptr: gradients found there are in place
+        self.param_addresses: list[int] = []  # the parameters' data_ptr when the buffer was cut
+        self.layout: tuple | None = None  # (dtype, device, ((shape, strides, offset), ...))
+        self.tag = ""  # see _layout_tag
+
+    def gradients(self) -> torch.Tensor | None:
+        """The buffer with every gradient in place (a missing one as zeros), or None where a view
+        cannot stand in: a sparse gradient, one that records a graph (``create_graph=True``),
+        parameters of mixed dtypes or devices. The caller then copies, as without views."""
+        if self.flat is not None:
+            try:  # the steady state, checked by address: ``grad.data = ...`` keeps the tensor object
+                if [p.grad.data_ptr() for p in self.params] == self.addresses:
+                    return self.flat
+            except (AttributeError, RuntimeError):  # a gradient is None, or has no storage (sparse)
+                pass
+        return self._adopt()
+
+    def _adopt(self) -> torch.Tensor | None:
+        grads = [p.grad for p in self.params]
+        if any(g is not None and (g.layout != torch.strided or g.requires_grad) for g in grads):
+            return None
+        if self.flat is None or [p.data_ptr() for p in self.params] != self.param_addresses:
+            if not self._cut():
+                return None
+        sources, targets, missing = [], [], []
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is not None and g.data_ptr() == self.addresses[i]:
+                continue
+            view = self.views[i]
+            if view.data_ptr() != self.addresses[i]:  # re-pointed by ``grad.data = ...``: make a new one
+                view = self.views[i] = self._view(i)
+            if g is None:
+                missing.append(view)  # not used on this rank this step: it contributes zeros
+            else:
+                sources.append(g)
+                targets.append(view)
+            p.grad = view
+        with torch.no_grad():
+            if sources:
+                torch._foreach_copy_(targets, sources)
+            if missing:
+                torch._foreach_zero_(missing)
+        return self.flat
+
+    def _cut(self) -> bool:
+        """(Re)cut the buffer from the parameters as they are now; False where they cannot share one."""
+        params = self.params
+        dtype, device = params[0].dtype, params[0].device
+        if any(p.dtype != dtype or p.device != device or p.layout != torch.strided for p in params):
+            self.flat, self.layout = None, None
+            return False
+        self.param_addresses = [p.data_ptr() for p in params]
+        align = max(1, _SLOT_ALIGN_BYTES // params[0].element_size())
+        slots, total = [], 0
+        for p in params:
+            slots.append((p.shape, _gradient_strides(p), total))
+            total += -(-p.numel() // align) * align
+        layout = (dtype, device, tuple(slots))
+        if layout == self.layout:  # new parameter storage of the same shapes: the buffer still fits
+            return True
+        self.layout, self.tag = layout, _layout_tag(slots)
+        self.flat = torch.zeros(total, dtype=dtype, device=device)
+        self.views = [self._view(i) for i in range(len(params))]
+        self.addresses = [v.data_ptr() for v in self.views]
+        return True
+
+    def _view(self, index: int) -> torch.Tensor:
+        assert self.flat is not None and self.layout is not None
+        shape, strides, offset = self.layout[2][index]
+        return self.flat.as_strided(shape, strides, offset)
 
 
 if TYPE_CHECKING:  # the class is mixed in before the wrapped optimizer's own (see DistributedOptimizer)
@@ -78,15 +218,16 @@ class _DistributedOptimizer(_OptimizerBase):
         if isinstance(groups, int) and not self._excluded:
             self._requires_update = self._in_reference_order(self._requires_update)
         self._groups = self._make_groups(groups)
-        self._group_of = {p: i for i, g in enumerate(self._groups) for p in g}
-        # Without explicit groups, gradients travel in buckets: one flat tensor per bucket, one
+        # Without explicit groups, gradients travel in buckets: one flat buffer per bucket, one
         # engine submission each (the engine's cost is per submission, not per byte).
         self._buckets = self._make_buckets() if groups is None else []
-        self._group_of.update({p: ("bucket", i) for i, b in enumerate(self._buckets) for p in b})
-        self._pending: dict[Any, _Pending] = {}  # parameter, or group index -> in-flight reduction
-        self._ready_in_group: dict[int, set] = {}
+        self._bucket_buffers = [_BucketBuffer(b) for b in self._buckets]
+        self._plan_reductions()
+        self._pending: dict[Any, _Pending] = {}  # reduction key -> in flight
+        self._ready: dict[tuple, int] = {}  # a group's or bucket's key -> members whose passes are done
+        self._started = 0
         self.backward_passes_per_step = int(backward_passes_per_step)
-        self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
+        self._delay = dict.fromkeys(self._key_of, self.backward_passes_per_step)  # id(p) -> passes to come
         self._hooks = [] if self._excluded else [
             p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self._requires_update]
         # The hooks live on the parameters, which outlive this optimizer when a script wraps a new
@@ -94,6 +235,24 @@ class _DistributedOptimizer(_OptimizerBase):
         weakref.finalize(self, _remove_hooks, self._hooks)
 
     # ---- setup helpers -------------------------------------------------------------------------
+
+    def _plan_reductions(self) -> None:
+        """Which reduction each parameter's gradient joins, by ``id(p)``: the hooks look it up once per
+        gradient, and a tensor's own hash is a Python call, an id's is not.
+
+        A key is ``("group", i)``, ``("bucket", i)``, or for a gradient reduced on its own its
+        parameter's id; a bucket that falls back to per-tensor reductions (sparse gradients) keys
+        them by their ids too.
+        """
+        key_of: dict[int, Any] = {id(p): id(p) for p in self._requires_update}
+        self._members: dict[tuple, int] = {}
+        for kind, sets in (("group", self._groups), ("bucket", self._buckets)):
+            for i, members in enumerate(sets):
+                key_of.update(dict.fromkeys(map(id, members), (kind, i)))
+                self._members[(kind, i)] = len(members)
+        self._key_of = key_of
+        # Once a step has started them all, synchronize() need not look for the ones whose hooks did not fire.
+        self._reductions = len(set(key_of.values()))
 
     @staticmethod
     def _parameter_names(named_parameters, all_params: list) -> dict:
@@ -151,26 +310,35 @@ class _DistributedOptimizer(_OptimizerBase):
     # ---- hooks and reductions -------------------------------------------------------------------
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if p not in self._delay:
+        ident = id(p)
+        key = self._key_of.get(ident)
+        if key is None:
             return
-        key = self._group_of.get(p, p)
-        if key in self._pending or p in self._pending:
+        if key in self._pending or ident in self._pending:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call "
                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
-        self._delay[p] -= 1
-        if self._delay[p] > 0:
+        left = self._delay[ident] - 1
+        self._delay[ident] = left
+        if left != 0:  # passes still to come, or (in a group not yet started) counted already
             return
-        if key is p:
+        if key == ident:
+            self._start_reduction(key, p)
+            return
+        ready = self._ready.get(key, 0) + 1
+        self._ready[key] = ready
+        if ready == self._members[key]:
+            self._start_reduction(key, p)
+
+    def _start_reduction(self, key: Any, p: torch.Tensor) -> None:
+        """Start the reduction ``key`` stands for (see :meth:`_plan_reductions`); ``p`` is one of its parameters."""
+        if key == id(p):
             self._start(p)
-            return
-        ready = self._ready_in_group.setdefault(key, set())
-        ready.add(p)
-        if isinstance(key, int):
-            if len(ready) == len(self._groups[key]):
-                self._start_group(key)
-        elif len(ready) == len(self._buckets[key[1]]):
-            self._start_bucket(key)
+        elif key[0] == "group":
+            self._start_group(key[1])
+        else:
+            self._start_bucket(key[1])
+        self._started += 1
 
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
@@ -198,7 +366,7 @@ class _DistributedOptimizer(_OptimizerBase):
 
             def finish_sparse(result, p=p):
                 p.grad = result
-            self._pending[p] = _Pending(sparse_handle, finish_sparse)
+            self._pending[id(p)] = _Pending(sparse_handle, finish_sparse)
             return
         compressed, ctx = self._compression.compress(grad)
         r = self._reduction
@@ -208,7 +376,7 @@ class _DistributedOptimizer(_OptimizerBase):
         def finish(result, p=p, ctx=ctx, compressed=compressed):
             if compressed is not p.grad:
                 self._land(p, self._compression.decompress(result, ctx))
-        self._pending[p] = _Pending(handle, finish)
+        self._pending[id(p)] = _Pending(handle, finish)
 
     def _start_group(self, index: int) -> None:
         params = self._groups[index]
@@ -227,29 +395,55 @@ class _DistributedOptimizer(_OptimizerBase):
             for p, result, (compressed, ctx) in zip(params, results, pairs):
                 if compressed is not p.grad:
                     self._land(p, self._compression.decompress(result, ctx))
-        self._pending[index] = _Pending(handle, finish)
+        self._pending[("group", index)] = _Pending(handle, finish)
 
-    def _start_bucket(self, key: tuple) -> None:
-        params = self._buckets[key[1]]
+    def _start_bucket(self, index: int) -> None:
+        flat = self._bucket_buffers[index].gradients()
+        if flat is None:
+            self._start_bucket_by_copy(index)
+            return
+        compressed, ctx = self._compression.compress(flat)
+        handle = self._allreduce_bucket(compressed, self._buckets[index], self._bucket_buffers[index].tag)
+
+        def finish(result, flat=flat, compressed=compressed, ctx=ctx):
+            if compressed is not flat:
+                self._decompress_into(flat, result, ctx)
+        self._pending[("bucket", index)] = _Pending(handle, finish)
+
+    def _start_bucket_by_copy(self, index: int) -> None:
+        """A bucket whose gradients cannot be views of its buffer: flattened into a new tensor here
+        and copied back at ``synchronize()``; sparse gradients (or sparse ones made dense) go per tensor."""
+        params = self._buckets[index]
         grads = [self._dense_grad(p) for p in params]
         if any(g.is_sparse for g in grads) or any(g is not p.grad for g, p in zip(grads, params)):
-            # Sparse gradients (or sparse ones made dense) have their own path: per tensor.
             for p in params:
                 self._start(p)
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         compressed, ctx = self._compression.compress(flat)
-        r = self._reduction
-        handle = mpi_ops.allreduce_async_(compressed, name=f"{self._names[params[0]]}.bucket{len(params)}",
-                                          op=r.op, prescale_factor=r.prescale_factor,
-                                          postscale_factor=r.postscale_factor, process_set=r.process_set)
+        handle = self._allreduce_bucket(compressed, params)
 
         def finish(result, grads=grads, ctx=ctx):
             reduced = self._compression.decompress(result, ctx)
             pieces = torch.split(reduced, [g.numel() for g in grads])
             with torch.no_grad():
                 torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
-        self._pending[key] = _Pending(handle, finish)
+        self._pending[("bucket", index)] = _Pending(handle, finish)
+
+    def _allreduce_bucket(self, tensor: torch.Tensor, params: list, tag: str = "") -> mpi_ops.TorchHandle:
+        r = self._reduction
+        return mpi_ops.allreduce_async_(tensor, name=f"{self._names[params[0]]}.bucket{len(params)}{tag}", op=r.op,
+                                        prescale_factor=r.prescale_factor, postscale_factor=r.postscale_factor,
+                                        process_set=r.process_set)
+
+    def _decompress_into(self, target: torch.Tensor, result: torch.Tensor, ctx: Any) -> None:
+        """fp16 and bf16 decompress by casting back to ``target``'s dtype, which ``copy_`` does on its
+        own: one copy instead of a cast and a copy."""
+        with torch.no_grad():
+            if self._compression in (Compression.fp16, Compression.bf16):
+                target.copy_(result)
+            else:
+                target.copy_(self._compression.decompress(result, ctx))
 
     # ---- the optimizer interface ----------------------------------------------------------------
 
@@ -258,23 +452,23 @@ class _DistributedOptimizer(_OptimizerBase):
         if self._excluded:
             self._synchronized = True
             return
-        for p in self._requires_update:
-            key = self._group_of.get(p, p)
-            if key in self._pending or p in self._pending:  # (a bucket of sparse gradients: per tensor)
-                continue
-            if isinstance(key, int):
-                self._start_group(key)
-            elif key is p:
-                self._start(p)
-            else:
-                self._start_bucket(key)
+        if self._started < self._reductions:
+            for p in self._requires_update:
+                key = self._key_of[id(p)]
+                if key in self._pending or id(p) in self._pending:  # (a bucket of sparse gradients: per tensor)
+                    continue
+                self._start_reduction(key, p)
         for pending in self._pending.values():
             pending.finish(mpi_ops.synchronize(pending.handle))
         self._pending.clear()
-        self._ready_in_group.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        self._new_step()
         self._synchronized = True
+
+    def _new_step(self) -> None:
+        """Every parameter waits for ``backward_passes_per_step`` passes again."""
+        self._ready.clear()
+        self._started = 0
+        self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -347,16 +541,13 @@ class _DistributedOptimizer(_OptimizerBase):
             except HoraError:
                 pass  # the job is failing (elastic restore): nothing of that step is kept anyway
         self._pending.clear()
-        self._ready_in_group.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        self._new_step()
         self._synchronized = False
         self._should_synchronize = True
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = horovod_args.backward_passes(passes)
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
 
 
 def _weak_hook(optimizer: _DistributedOptimizer):
@@ -417,16 +608,173 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
         return loss
 
 
+class _DistributedPowerSGDOptimizer(_DistributedOptimizer):
+    """Mixed in instead of :class:`_DistributedOptimizer` for ``compression=Compression.powersgd(...)``.
+
+    PowerSGD compresses every matrix of a step against the same shared factors, so the step's
+    gradients are reduced together, at ``synchronize()``, by one :class:`PowerSGDReducer` (one
+    grouped allreduce for the plain part, one for the P factors, one for the Q factors) instead of
+    bucket by bucket during the backward pass: on the slow links where PowerSGD pays, the bytes saved
+    outweigh the overlap lost. The hooks only count ``backward_passes_per_step``. The reducer's state
+    (each rank's residuals, the shared Q factors, the step count) is part of ``state_dict()`` under
+    ``"hora_powersgd"``, so a checkpoint resumes the same trajectory, and an elastic restore in a
+    world of another size keeps Q and the step and drops the residuals (see
+    :func:`hora.torch.powersgd.state_for_new_world`).
+    """
+
+    _powersgd: PowerSGDReducer
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        ident = id(p)
+        left = self._delay.get(ident)
+        if left is None:
+            return
+        if left == 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._delay[ident] = left - 1
+
+    def synchronize(self) -> None:
+        """Average this step's gradients with PowerSGD (every rank the same names, missing ones as zeros)."""
+        if self._excluded:
+            self._synchronized = True
+            return
+        named, landing = [], []
+        for p in self._requires_update:
+            grad = self._dense_grad(p)
+            if grad.is_sparse:
+                raise ValueError(f"Compression.powersgd: parameter {self._names[p]!r} has a sparse gradient; "
+                                 "pass sparse_as_dense=True to reduce it densely")
+            named.append((self._names[p].removeprefix("allreduce."), grad))  # the parameter's own name
+            if grad is not p.grad:
+                landing.append((p, grad))
+        self._powersgd.reduce(named)
+        for p, grad in landing:  # sparse_as_dense: back to the sparse form the optimizer expects
+            self._land(p, grad)
+        self._new_step()
+        self._synchronized = True
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["hora_powersgd"] = self._powersgd.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        powersgd = state_dict.pop("hora_powersgd", None)
+        super().load_state_dict(state_dict)
+        if powersgd is not None:
+            self._powersgd.load_state_dict(powersgd)
+
+
+class _ShardedStep(_OptimizerBase):
+    """Stands after :class:`_DistributedOptimizer` in a sharded optimizer's MRO, where the wrapped
+    optimizer's own ``step`` would be: every path of ``_DistributedOptimizer.step`` (plain, with a
+    closure, under ``skip_synchronize``) ends in its ``super().step()``, which lands here and steps
+    this rank's shard only, then gathers the parameters."""
+
+    _zero: ZeroRedundancyOptimizer
+
+    def step(self, closure=None):
+        return self._zero.step_averaged(closure)
+
+
+class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
+    """Mixed in for ``shard_optimizer_state=True`` (ZeRO stage 1 behind Horovod's optimizer).
+
+    Gradients are averaged exactly as without sharding (hooks, buckets, compression,
+    ``backward_passes_per_step``); the step is a :class:`~hora.torch.zero.ZeroRedundancyOptimizer`'s
+    (``self._zero``) over the same parameter groups (the very group dicts, so a learning-rate scheduler
+    that changes ``param_groups`` changes what the shard steps with): an instance of the wrapped class
+    over this rank's shard steps it, and one allgather per dtype brings the updated parameters back.
+    ``state`` is that shard's state; checkpoints go through :meth:`consolidate_state_dict`, as with
+    ``ZeroRedundancyOptimizer``.
+    """
+
+    def _hora_shard(self, base: type, carried: dict) -> None:
+        self._zero = ZeroRedundancyOptimizer(self.param_groups, base, process_set=self._process_set,
+                                             **self.defaults)
+        if carried:  # state the optimizer had before it was wrapped: each rank keeps its shard's
+            index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            self._zero._load_shard({index[p]: s for p, s in carried.items() if p in index})
+
+    @property
+    def state(self) -> Any:
+        """This rank's optimizer state: its shard's only."""
+        zero = self.__dict__.get("_zero")
+        return zero.state if zero is not None else self.__dict__.get("_state_before_shard")
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.__dict__["_state_before_shard"] = value
+
+    @property
+    def shard_plan(self):
+        """Which member of the process set owns which parameter (positions in ``param_groups`` order)."""
+        return self._zero.shard_plan
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state on rank ``to`` (every member calls it); ``state_dict()`` there returns it."""
+        self._zero.consolidate_state_dict(to)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state as last consolidated on this rank; RuntimeError before
+        :meth:`consolidate_state_dict`, as with torch's ``ZeroRedundancyOptimizer``."""
+        return self._zero.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a whole state (consolidated at any world size, or an unsharded optimizer's): every rank
+        passes all of it and keeps its own shard; the next step starts afresh, as without sharding."""
+        self._reset_step()
+        self._zero.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("DistributedOptimizer(shard_optimizer_state=True) cannot add parameter groups after "
+                         "it is built (its hooks and shard plan cover the parameters it was given): add them "
+                         "to the optimizer before wrapping it")
+
+
+def _check_sharding_arguments(reduction: GradientReduction, powersgd: Any) -> None:
+    if reduction.op == Adasum:
+        raise ValueError("shard_optimizer_state=True does not take op=Adasum: Adasum combines every rank's "
+                         "local step of every parameter, which needs every parameter's state on every rank")
+    if powersgd is not None:
+        raise ValueError("shard_optimizer_state=True does not take Compression.powersgd yet: use "
+                         "Compression.none, fp16 or bf16, or leave the state unsharded")
+
+
+def _check_powersgd_arguments(reduction: GradientReduction, groups: Any) -> None:
+    """What PowerSGD cannot do, refused when the optimizer is built rather than silently ignored."""
+    if reduction.op != Average:
+        raise ValueError("Compression.powersgd averages the gradients: it takes op=Average (the default), "
+                         f"not {reduction.op.name}")
+    if reduction.prescale_factor != 1.0 or reduction.postscale_factor != 1.0:
+        raise ValueError("Compression.powersgd computes its factors in float32 and needs no "
+                         "gradient_predivide_factor: leave it at 1.0")
+    if groups is not None:
+        raise ValueError("Compression.powersgd reduces all of a step's gradients together: num_groups and "
+                         "groups do not apply to it; leave them unset")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+                         process_set: ProcessSet = global_process_set, *,
+                         shard_optimizer_state: bool = False) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across all ranks.
 
     The result is an instance of the wrapped optimizer's own class (``isinstance`` checks and
     learning-rate schedulers keep working) sharing its parameter groups, state and hyper-parameters.
+
+    ``shard_optimizer_state=True`` (a hora addition, ZeRO stage 1): gradients are averaged as without
+    it, but each rank of ``process_set`` keeps the optimizer state of its own shard of the parameters
+    only and steps only that shard; the updated parameters are then allgathered, so every rank holds
+    the whole model. Checkpoint with ``consolidate_state_dict(to)`` then ``state_dict()`` on rank
+    ``to``, as with :class:`~hora.torch.ZeroRedundancyOptimizer` (docs/memory.md). Stage 2 (sharded
+    gradients) is not built.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -436,12 +784,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     groups = horovod_args.resolve_groups(num_groups, groups)
     passes = horovod_args.backward_passes(backward_passes_per_step)
     reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
-    compression = horovod_args.check_compression(compression)
+    compression = horovod_args.check_compression(compression, stateful=True)
+    powersgd = compression if isinstance(compression, PowerSGDSpec) else None
+    if shard_optimizer_state:
+        _check_sharding_arguments(reduction, powersgd)
+    if powersgd is not None:
+        _check_powersgd_arguments(reduction, groups)
+        compression = Compression.none  # the reducer compresses; nothing else does
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = optimizer.__class__
-    mixin = _DistributedOptimizer
+    mixin: type[_DistributedOptimizer] = _DistributedOptimizer
     if reduction.op == Adasum:  # Horovod's Adasum optimizer: the deltas of a local step are reduced
         mixin = _DistributedAdasumOptimizer
+    elif powersgd is not None:
+        mixin = _DistributedPowerSGDOptimizer
+    elif shard_optimizer_state:
+        mixin = _ShardedDistributedOptimizer
     cls: type[object] = type(base.__name__, (mixin, base),
                              {"__module__": base.__module__, "__qualname__": base.__qualname__})
     wrapped: Any = cls.__new__(cls)
@@ -449,5 +807,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     # on the plain optimizer replaces its ``step`` with a bound wrapper that would skip the allreduce.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                              if k not in _DistributedOptimizer.__dict__})
+    if shard_optimizer_state:
+        whole_state = wrapped.__dict__.pop("state", {})  # the class's ``state`` property reads the shard's
+        carried = {p: s for p, s in whole_state.items() if s}
     wrapped._hora_setup(named_parameters, compression, passes, reduction, groups, sparse_as_dense)
+    if shard_optimizer_state:
+        wrapped._hora_shard(base, carried)
+        whole_state.clear()  # shared with the optimizer passed in: only this rank's shard stays referenced
+    if powersgd is not None:
+        first = wrapped._names[wrapped._requires_update[0]] if wrapped._requires_update else "no_parameters"
+        # Named after the first parameter, as grouped reductions are: the same on every rank.
+        wrapped._powersgd = PowerSGDReducer(powersgd, process_set, name=f"{first}.powersgd")
     return wrapped

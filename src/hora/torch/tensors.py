@@ -1,4 +1,5 @@
-"""Torch tensors as the engine's NumPy buffers, without copies where the memory layout allows.
+"""Torch tensors as the engine's NumPy buffers, without copies where the memory layout allows: hora.torch's
+:class:`hora.binding.Adapter`.
 
 A contiguous CPU tensor shares its memory with the NumPy array the engine reduces, so an in-place
 collective writes straight into the tensor. CUDA tensors take NCCL when it can carry them
@@ -19,6 +20,7 @@ SUPPORTED = (
 
 
 def check_dtype(tensor: torch.Tensor) -> None:
+    """Refuse a non-tensor or a dtype the engine lacks before anything is submitted."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED:
@@ -27,11 +29,11 @@ def check_dtype(tensor: torch.Tensor) -> None:
 
 
 def shares_memory(tensor: torch.Tensor) -> bool:
-    """Whether :func:`as_array` returns a view of ``tensor`` (not a copy)."""
+    """Whether :func:`to_host` returns a view of ``tensor`` (not a copy)."""
     return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_sparse
 
 
-def as_array(tensor: torch.Tensor) -> np.ndarray:
+def to_host(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's data as a NumPy array: a view for contiguous CPU tensors, else a host copy."""
     check_dtype(tensor)
     # detach() only where numpy() needs it: each torch call that releases the GIL hands it to a
@@ -44,7 +46,7 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def from_array(array: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+def new_like(array: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor holding ``array`` (shared memory on CPU), moved to ``like``'s device if given."""
     # np.ascontiguousarray returns at least one dimension: keep 0-d results 0-d.
     contiguous = np.ascontiguousarray(array).reshape(array.shape)
@@ -55,3 +57,11 @@ def from_array(array: np.ndarray, like: torch.Tensor | None = None) -> torch.Ten
     if like is not None and like.device.type != "cpu":
         t = t.to(like.device)
     return t
+
+
+def write_into(tensor: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+    """Copy ``array`` into ``tensor`` (on its device) and return ``tensor``: the in-place forms' result,
+    where :func:`to_host` had to copy. Outside autograd, as Horovod's in-place collectives write."""
+    with torch.no_grad():
+        tensor.copy_(new_like(array, tensor))
+    return tensor

@@ -1,0 +1,28 @@
+"""The binding kit: what every framework binding (hora.torch, hora.tensorflow, hora.jax, hora.mxnet) is
+built from, so that a new binding is an adapter and an optimizer.
+
+- :mod:`hora.binding.adapter`: the :class:`Adapter` protocol, the four operations on a framework's
+  tensors (``check_dtype``, ``to_host``, ``new_like``, ``write_into``) that each binding's tensors
+  module defines under these names, and the handles' finishing functions built on it;
+- :mod:`hora.binding.handle`: the handle the ``_async`` collectives return and Horovod's ``poll`` and
+  ``synchronize``, which every binding re-exports.
+
+The collectives themselves are :mod:`hora.collectives` (on NumPy buffers, and on device buffers for
+NCCL), and the argument rules :mod:`hora.horovod_args`: a binding converts and calls them.
+"""
+
+from __future__ import annotations
+
+from hora.binding.adapter import (
+    Adapter as Adapter,
+    new_each as new_each,
+    new_one as new_one,
+    write_each as write_each,
+    write_one as write_one,
+)
+from hora.binding.handle import (
+    ConvertingHandle as ConvertingHandle,
+    as_is as as_is,
+    poll as poll,
+    synchronize as synchronize,
+)

@@ -1,0 +1,383 @@
+"""hora.torch's ``DistributedOptimizer(..., shard_optimizer_state=True)`` (ZeRO stage 1 behind Horovod's
+optimizer) on 2 and 3 ranks.
+
+The bar: the gradients are averaged exactly as without sharding, and only where the optimizer state
+lives changes. So a sharded run ends with the weights of the unsharded ``DistributedOptimizer`` on
+the same data (Adam and SGD with momentum, ``backward_passes_per_step=2``, fp16 compression,
+``op=Sum``, a scheduler, clipping between ``synchronize()`` and ``step()``), each rank holds about
+1/N of the state, a state consolidated at 3 ranks continues the same trajectory when loaded at 2, and
+what does not make sense is refused. One job per world size; the 2-rank job loads the 3-rank job's
+checkpoint, so it runs second. Every section names its parameters with its own prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sections import JobResults, run_job  # noqa: E402
+from zero_models import (  # noqa: E402
+    ADAM,
+    FROZEN,
+    NAMES,
+    SGD_MOMENTUM,
+    assert_close_lists,
+    data,
+    loss_of,
+    make_model,
+    shard,
+    weights,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 40
+SAVE_AFTER, CONTINUE = 8, 5
+
+
+def train(opt, model, steps, r, n, first: int = 0, passes: int = 1, clip: float | None = None):
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        x, y = shard(s, r, n)
+        for part in range(passes):  # backward_passes_per_step: the rank's rows in `passes` pieces
+            rows = slice(part * len(x) // passes, (part + 1) * len(x) // passes)
+            (loss_of(model, x[rows], y[rows]) / passes).backward()
+        if clip is None:
+            opt.step()
+        else:  # Horovod's pattern: clip the averaged gradients, then step without reducing again
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+    return weights(model)
+
+
+# ---- the job ------------------------------------------------------------------------------------
+
+
+def _job(checkpoint=None) -> list:
+    import hora.torch as hvd
+    from hora.torch.zero_memory import memory_report
+
+    r, n = hvd.rank(), hvd.size()
+
+    def named(model, prefix):
+        return [(f"{prefix}.{name}", p) for name, p in model.named_parameters()]
+
+    def wrap(model, optimizer, prefix, **kwargs):
+        cls, settings = optimizer
+        return hvd.DistributedOptimizer(cls(model.parameters(), **settings), named_parameters=named(model, prefix),
+                                        **kwargs)
+
+    def against_unsharded(optimizer, prefix, steps=STEPS, passes=1, clip=None, **kwargs):
+        def section():
+            model, plain = make_model(), make_model()
+            opt = wrap(model, optimizer, f"{prefix}.sharded", shard_optimizer_state=True,
+                       backward_passes_per_step=passes, **kwargs)
+            hopt = wrap(plain, optimizer, f"{prefix}.plain", backward_passes_per_step=passes, **kwargs)
+            return {"sharded": train(opt, model, steps, r, n, passes=passes, clip=clip),
+                    "distributed": train(hopt, plain, steps, r, n, passes=passes, clip=clip),
+                    "class": type(opt).__name__, "is_adam": isinstance(opt, torch.optim.Adam),
+                    "owned": len(opt.state), "params": len(opt.param_groups[0]["params"])}
+        return section
+
+    def state_bytes():
+        torch.manual_seed(5)
+        layers = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+        plain = copy.deepcopy(layers)
+        x = torch.randn(4, 32)
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(layers.parameters(), lr=0.01),
+                                       named_parameters=named(layers, "bytes.sharded"), shard_optimizer_state=True)
+        hopt = hvd.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01),
+                                        named_parameters=named(plain, "bytes.plain"))
+        for model, o in ((layers, opt), (plain, hopt)):
+            for _ in range(2):
+                o.zero_grad()
+                model(x).square().mean().backward()
+                o.step()
+        return {"sharded": memory_report(opt), "distributed": memory_report(hopt),
+                "same_weights": all(torch.equal(a, b) for a, b in zip(layers.parameters(), plain.parameters()))}
+
+    def scheduler():
+        model, plain = make_model(), make_model()
+        opt = wrap(model, SGD_MOMENTUM, "sched.sharded", shard_optimizer_state=True)
+        hopt = wrap(plain, SGD_MOMENTUM, "sched.plain")
+        out = {}
+        for key, o, m in (("sharded", opt, model), ("distributed", hopt, plain)):
+            sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+            for s in range(3):
+                o.zero_grad()
+                loss_of(m, *shard(s, r, n)).backward()
+                o.step()
+                sched.step()
+            out[key] = weights(m)
+        out["lr"] = opt.param_groups[0]["lr"]
+        return out
+
+    def checkpoint_round_trip():
+        last = n - 1
+        model = make_model()
+        opt = wrap(model, ADAM, "ckpt.sharded", shard_optimizer_state=True)
+        train(opt, model, SAVE_AFTER, r, n)
+        opt.consolidate_state_dict(to=last)
+        try:
+            saved, refused = opt.state_dict(), None
+        except RuntimeError as exc:
+            saved, refused = None, str(exc)
+        saved = hvd.broadcast_object(saved, root_rank=last)
+        saved_weights = weights(model)
+        resumed = make_model()
+        with torch.no_grad():
+            for p, w in zip(resumed.parameters(), saved_weights):
+                p.copy_(w)
+        reloaded = hvd.DistributedOptimizer(torch.optim.Adam(resumed.parameters(), lr=0.5),
+                                            named_parameters=named(resumed, "ckpt.reloaded"),
+                                            shard_optimizer_state=True)
+        reloaded.load_state_dict(copy.deepcopy(saved))  # lr comes from the state
+        out = {"refused": refused, "lr": reloaded.param_groups[0]["lr"],
+               "continued": train(opt, model, CONTINUE, r, n, first=SAVE_AFTER),
+               "reloaded": train(reloaded, resumed, CONTINUE, r, n, first=SAVE_AFTER)}
+        if r == last:
+            out["checkpoint"] = {"state": saved, "weights": saved_weights}
+        return out
+
+    def load_foreign_checkpoint():
+        model = make_model()
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), checkpoint["weights"]):
+                p.copy_(w)
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=named(model, "foreign"), shard_optimizer_state=True)
+        opt.load_state_dict(copy.deepcopy(checkpoint["state"]))
+        index = {p: i for i, p in enumerate(model.parameters())}
+        return {"weights": train(opt, model, CONTINUE, r, n, first=SAVE_AFTER),
+                "kept": sorted(index[p] for p in opt.state), "owned": list(opt.shard_plan.items(r))}
+
+    def closure_step():
+        out = {}
+        for key, sharded in (("sharded", True), ("distributed", False)):
+            model = make_model()
+            opt = wrap(model, SGD_MOMENTUM, f"closure.{key}", shard_optimizer_state=sharded)
+            losses = []
+            for s in range(3):
+                x, y = shard(s, r, n)
+
+                def closure(x=x, y=y, model=model, opt=opt):
+                    opt.zero_grad()
+                    loss = loss_of(model, x, y)
+                    loss.backward()
+                    return loss
+                losses.append(opt.step(closure).item())
+            out[key], out[f"{key}_losses"] = weights(model), losses
+        return out
+
+    def state_before_wrapping():
+        # an optimizer that already has state (a local warm-up step): each rank keeps its shard's
+        out = {}
+        x, y = data(99)
+        for key, sharded in (("sharded", True), ("distributed", False)):
+            model = make_model()
+            inner = torch.optim.Adam(model.parameters(), lr=0.01)
+            loss_of(model, x, y).backward()
+            inner.step()
+            opt = hvd.DistributedOptimizer(inner, named_parameters=named(model, f"carried.{key}"),
+                                           shard_optimizer_state=sharded)
+            out[f"{key}_owned"] = len(opt.state)
+            out[key] = train(opt, model, 5, r, n)
+        return out
+
+    def refusals():
+        out = {}
+
+        def attempt(key, make):
+            try:
+                make()
+            except (ValueError, RuntimeError) as exc:
+                out[key] = (type(exc).__name__, str(exc))
+
+        def fresh(prefix, **kwargs):
+            model = make_model()
+            return hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                            named_parameters=named(model, prefix), **kwargs)
+
+        attempt("adasum", lambda: fresh("no.adasum", shard_optimizer_state=True, op=hvd.Adasum))
+        attempt("powersgd", lambda: fresh("no.psgd", shard_optimizer_state=True,
+                                          compression=hvd.Compression.powersgd(rank=1)))
+        opt = fresh("no.misc", shard_optimizer_state=True)
+        attempt("state_dict", opt.state_dict)
+        attempt("broadcast_state", lambda: hvd.broadcast_optimizer_state(opt, root_rank=0))
+        attempt("add_param_group", lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}))
+        return out
+
+    sections = [
+        ("adam", against_unsharded(ADAM, "adam")),
+        ("sgd_momentum", against_unsharded(SGD_MOMENTUM, "sgd")),
+        ("passes2", against_unsharded(ADAM, "passes", steps=15, passes=2)),
+        ("fp16", against_unsharded(ADAM, "fp16", steps=15, compression=hvd.Compression.fp16)),
+        ("sum", against_unsharded(SGD_MOMENTUM, "sum", steps=10, op=hvd.Sum)),
+        ("clip", against_unsharded(SGD_MOMENTUM, "clip", steps=10, clip=0.05)),
+        ("state_bytes", state_bytes),
+        ("closure", closure_step),
+        ("state_before_wrapping", state_before_wrapping),
+        ("scheduler", scheduler),
+        ("checkpoint_round_trip", checkpoint_round_trip),
+        ("refusals", refusals),
+    ]
+    if checkpoint is not None:
+        sections.append(("foreign_checkpoint", load_foreign_checkpoint))
+    if n == 3:
+        sections.append(("process_set", _process_set_section(hvd, r)))
+    return sections
+
+
+def _process_set_section(hvd, r):
+    def section():
+        # ranks 0 and 2 shard between them; rank 1 is outside the set and steps everything alone
+        pair = hvd.add_process_set([0, 2])
+        try:
+            member = {0: 0, 2: 1}.get(r)
+            out = {}
+            for key, sharded in (("sharded", True), ("distributed", False)):
+                model = make_model()
+                opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                               named_parameters=[(f"pset.{key}.{k}", p)
+                                                                 for k, p in model.named_parameters()],
+                                               process_set=pair, shard_optimizer_state=sharded)
+                for s in range(4):
+                    x, y = shard(s, member, 2) if member is not None else data(s)
+                    opt.zero_grad()
+                    loss_of(model, x, y).backward()
+                    opt.step()
+                out[key] = weights(model)
+                if sharded:
+                    out["owned"] = len(opt.state)
+            return out
+        finally:
+            hvd.barrier()
+            hvd.remove_process_set(pair)
+    return section
+
+
+@pytest.fixture(scope="module")
+def ranks3() -> JobResults:
+    return run_job(_job, np=3)
+
+
+@pytest.fixture(scope="module")
+def ranks2(ranks3) -> JobResults:
+    checkpoint = ranks3.get("checkpoint_round_trip", 2)["checkpoint"]
+    return run_job(functools.partial(_job, checkpoint), np=2)
+
+
+@pytest.fixture(params=["ranks2", "ranks3"])
+def job(request) -> JobResults:
+    return request.getfixturevalue(request.param)
+
+
+# ---- same weights as the unsharded DistributedOptimizer -----------------------------------------
+
+
+@pytest.mark.parametrize("section", ["adam", "sgd_momentum", "passes2", "fp16", "sum", "clip"])
+def test_sharded_steps_match_the_unsharded_distributed_optimizer(job, section):
+    for r in range(job.size):
+        out = job.get(section, r)
+        assert_close_lists(out["sharded"], out["distributed"])
+    first = job.get(section, 0)["sharded"]
+    for r in range(1, job.size):  # every rank ends with every parameter, the same
+        for a, b in zip(first, job.get(section, r)["sharded"]):
+            assert torch.equal(a, b)
+    assert torch.equal(first[FROZEN], make_model().shift.detach())  # the frozen parameter is left alone
+
+
+def test_the_wrapper_is_the_wrapped_class_and_each_rank_holds_a_shard(job):
+    outs = job.all("adam")
+    assert all(out["class"] == "Adam" and out["is_adam"] for out in outs)
+    assert sum(out["owned"] for out in outs) == len(NAMES) - 1  # each trainable parameter's state on one rank
+    assert all(0 < out["owned"] < out["params"] for out in outs)
+
+
+def test_each_rank_holds_its_share_of_the_optimizer_state(job):
+    n = job.size
+    reports = job.all("state_bytes")
+    full = reports[0]["distributed"].optimizer_state
+    assert full == 2 * 6 * (32 * 32 + 32) * 4 + 12 * 4  # Adam: two moments and a step per parameter
+    shares = [rep["sharded"].optimizer_state for rep in reports]
+    assert sum(shares) == full
+    assert max(shares) <= full / n * 1.01
+    for rep in reports:  # stage 1 shards the state only
+        assert rep["same_weights"]
+        assert rep["sharded"].parameters == rep["distributed"].parameters
+        assert rep["sharded"].gradients == rep["distributed"].gradients
+
+
+def test_a_scheduler_changes_what_the_shard_steps_with(job):
+    for r in range(job.size):
+        out = job.get("scheduler", r)
+        assert out["lr"] == pytest.approx(0.05 / 8)
+        assert_close_lists(out["sharded"], out["distributed"])
+
+
+def test_a_closure_step_matches_the_unsharded_one(job):
+    for r in range(job.size):
+        out = job.get("closure", r)
+        assert_close_lists(out["sharded"], out["distributed"])
+        assert out["sharded_losses"] == pytest.approx(out["distributed_losses"], rel=1e-6)
+
+
+def test_state_the_optimizer_had_before_wrapping_is_sharded_and_kept(job):
+    outs = job.all("state_before_wrapping")
+    assert sum(out["sharded_owned"] for out in outs) == len(NAMES) - 1
+    for out in outs:
+        assert out["distributed_owned"] == len(NAMES) - 1
+        assert_close_lists(out["sharded"], out["distributed"])
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+
+def test_consolidated_state_continues_identically_at_the_same_world_size(job):
+    for r in range(job.size):
+        out = job.get("checkpoint_round_trip", r)
+        assert_close_lists(out["reloaded"], out["continued"])
+        assert out["lr"] == 0.01
+        if r != job.size - 1:
+            assert "consolidate_state_dict" in out["refused"]
+        else:
+            assert out["refused"] is None
+
+
+def test_state_consolidated_at_3_ranks_continues_at_2_ranks(ranks3, ranks2):
+    saved = ranks3.get("checkpoint_round_trip", 2)
+    state = saved["checkpoint"]["state"]
+    assert sorted(state["state"]) == [i for i in range(len(NAMES)) if i != FROZEN]
+    for r in range(2):
+        out = ranks2.get("foreign_checkpoint", r)
+        assert out["kept"] == [i for i in out["owned"] if i != FROZEN]  # only this rank's shard
+        assert_close_lists(out["weights"], saved["continued"])
+
+
+# ---- refusals and process sets ------------------------------------------------------------------
+
+
+def test_what_sharding_cannot_do_is_refused(job):
+    for r in range(job.size):
+        out = job.get("refusals", r)
+        assert out["adasum"][0] == "ValueError" and "Adasum" in out["adasum"][1]
+        assert out["powersgd"][0] == "ValueError" and "powersgd" in out["powersgd"][1]
+        assert out["state_dict"][0] == "RuntimeError" and "consolidate_state_dict" in out["state_dict"][1]
+        assert out["broadcast_state"][0] == "ValueError" and "sharded" in out["broadcast_state"][1]
+        assert out["add_param_group"][0] == "ValueError"
+
+
+def test_a_rank_outside_the_process_set_steps_alone(ranks3):
+    for r in range(3):
+        out = ranks3.get("process_set", r)
+        assert_close_lists(out["sharded"], out["distributed"])
+        if r == 1:  # outside the set: every trainable parameter's state
+            assert out["owned"] == len(NAMES) - 1
+        else:
+            assert 0 < out["owned"] < len(NAMES) - 1
