@@ -145,7 +145,7 @@ def measure_launcher(n: int, python_path: str | None) -> dict[str, Any]:
     """Time ``hora run -np n`` of a trivial script and count the launcher's threads meanwhile."""
     import subprocess
 
-    from hora.runner.process import spawn
+    from hora.runner.launching.process import spawn
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
     started = time.perf_counter()  # the launcher's own share: starting n processes as it does

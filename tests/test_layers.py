@@ -77,5 +77,5 @@ def test_the_table_reader_follows_the_longest_prefix() -> None:
     assert table == [("base", ["hora.errors", "hora.runner.hosts"]), ("launcher", ["hora.runner"])]
     prefixes = {"hora.errors": 0, "hora.runner.hosts": 0, "hora.runner": 1}
     assert layer_of("hora.runner.hosts", prefixes) == 0
-    assert layer_of("hora.runner.job", prefixes) == 1
+    assert layer_of("hora.runner.launching.job", prefixes) == 1
     assert layer_of("hora.runnerx", prefixes) is None

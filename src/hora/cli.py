@@ -60,7 +60,7 @@ def _dispatch(args: list[str]) -> int:
         from hora.timeline_report import main as timeline_main
         return timeline_main(rest)
     if command == "discover":
-        from hora.runner.discover import main as discover_main
+        from hora.runner.commands.discover import main as discover_main
         return discover_main(rest)
     print(f"hora: error: unknown command {command!r} (choose from run, check, bench, timeline, discover)",
           file=sys.stderr)
@@ -76,7 +76,7 @@ def check_main(args: Sequence[str]) -> int:
     if args:
         print(f"hora check: error: unexpected arguments: {' '.join(args)}", file=sys.stderr)
         return 2
-    from hora.runner.check import report_lines
+    from hora.runner.commands.check import report_lines
 
     print("\n".join(report_lines()))
     return 0
@@ -111,9 +111,16 @@ def _usage_error(message: str) -> int:
 
 def run_main(argv: Sequence[str]) -> int:
     """``hora run``: parse, validate, launch, and report how the job ended."""
-    from hora.runner.job import Job
-    from hora.runner.run_args import UsageError, is_elastic, knob_environment, notes, parse_run_args, resolve_hosts
-    from hora.runner.ssh import SshOptions
+    from hora.runner.commands.run_args import (
+        UsageError,
+        is_elastic,
+        knob_environment,
+        notes,
+        parse_run_args,
+        resolve_hosts,
+    )
+    from hora.runner.launching.job import Job
+    from hora.runner.ssh.options import SshOptions
 
     try:
         args = parse_run_args(argv)
@@ -138,7 +145,7 @@ def run_main(argv: Sequence[str]) -> int:
         logger.info("%s", note)
     try:
         if args.use_mpi:
-            from hora.runner.mpi_launch import check_transport
+            from hora.runner.launching.mpi import check_transport
 
             check_transport(knob_environment(args))
         hosts = resolve_hosts(args)
@@ -155,7 +162,7 @@ def run_main(argv: Sequence[str]) -> int:
         logger.info("rank %d on %s: local rank %d of %d, cross rank %d of %d", slot.rank,
                     slot.hostname, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size)
     if args.use_mpi:
-        from hora.runner.mpi_launch import run_job
+        from hora.runner.launching.mpi import run_job
 
         try:
             with job:
@@ -178,9 +185,9 @@ def run_main(argv: Sequence[str]) -> int:
 
 def _run_elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
     """``hora run`` with --min-np/--max-np/--host-discovery-script: the elastic driver runs the job."""
-    from hora.runner.elastic_launch import ElasticRequest, run_elastic
-    from hora.runner.run_args import knob_environment, notes
-    from hora.runner.ssh import SshOptions
+    from hora.runner.commands.run_args import knob_environment, notes
+    from hora.runner.elastic.launch import ElasticRequest, run_elastic
+    from hora.runner.ssh.options import SshOptions
 
     for note in notes(args):
         logger.info("%s", note)

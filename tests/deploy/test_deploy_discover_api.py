@@ -69,8 +69,8 @@ def test_deploy_discover_api_lists_ready_endpoints(api, monkeypatch):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     kubernetes_validate.validate(ENDPOINTS, "1.37.0", strict=True)
     url, tokens, seen = api
-    monkeypatch.setattr("hora.runner.discover.SERVICE_ACCOUNT_DIR", str(tokens))
-    from hora.runner.discover import ServiceQuery, api_hosts
+    monkeypatch.setattr("hora.runner.commands.discover.SERVICE_ACCOUNT_DIR", str(tokens))
+    from hora.runner.commands.discover import ServiceQuery, api_hosts
     query = ServiceQuery("job-hora-worker", "team")
     assert api_hosts(query, api_url=url, token_dir=str(tokens)) == [
         "job-hora-worker-0.job-hora-worker.team.svc.cluster.local",

@@ -1,4 +1,4 @@
-"""Host discovery for elastic jobs (hora.runner.discovery): reading a discovery script's answer, running
+"""Host discovery for elastic jobs (hora.runner.elastic.discovery): reading a discovery script's answer, running
 the script (a failure, garbage or a hang is one DiscoveryError, in bounded time, and a hung script's
 whole process group is killed), discovery by a Python function, fixed host lists, and how
 ElasticRequest picks the source from what the user gave.
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from hora.errors import ConfigError
-from hora.runner.discovery import (
+from hora.runner.elastic.discovery import (
     DiscoveryError,
     FixedHosts,
     FunctionDiscovery,
     ScriptDiscovery,
     parse_discovery_output,
 )
-from hora.runner.elastic_launch import DISCOVERY_TIMEOUT_SECONDS, ElasticRequest
+from hora.runner.elastic.launch import DISCOVERY_TIMEOUT_SECONDS, ElasticRequest
 from hora.workers.hosts import Host
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))

@@ -151,7 +151,7 @@ def test_fixed_hosts_that_lose_a_worker_below_min_np_end_the_job_at_once(fixed_h
 
 
 def test_the_end_of_a_job_is_said_once_and_no_wait_is_promised_that_does_not_happen(fixed_hosts_job) -> None:
-    """BUG (src/hora/runner/elastic_driver.py): ``_end`` logs the reason (logger.error) and the CLI then
+    """BUG (src/hora/runner/elastic/driver.py): ``_end`` logs the reason (logger.error) and the CLI then
     prints ``outcome.message()``, the same reason with the last failure, so it is said twice; and
     ``_wait_for_slots`` warns "waiting up to 60 s for more hosts" just before ending at once because
     the hosts are fixed. The module doc promises one line saying which bound and why."""

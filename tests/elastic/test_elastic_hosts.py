@@ -1,4 +1,4 @@
-"""Which hosts an elastic job may use (hora.runner.elastic_hosts): blacklisting for good, or for a
+"""Which hosts an elastic job may use (hora.runner.elastic.hosts): blacklisting for good, or for a
 cooldown that doubles with each failure up to the range's MAX (checked with an injected clock and
 jitter), and plan_world, which keeps the current world's hosts first and caps the world at max_np.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hora.runner.elastic_hosts import HostRegistry, describe_plan, plan_size, plan_slots, plan_world
+from hora.runner.elastic.hosts import HostRegistry, describe_plan, plan_size, plan_slots, plan_world
 
 
 class Clock:

@@ -11,7 +11,7 @@ import pytest
 
 import hora
 from hora.nccl import cudart, library
-from hora.runner import check
+from hora.runner.commands import check
 from hora.transport.base import ReduceOp
 
 pytestmark = pytest.mark.timeout(60)

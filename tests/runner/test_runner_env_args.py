@@ -10,9 +10,9 @@ import pytest
 from hora import config
 from hora.cli import main
 from hora.errors import ConfigError, HoraError
-from hora.runner.job import Job
-from hora.runner.run_args import build_parser, command_of, knob_environment
-from hora.runner.worker_env import JobContext, worker_environment
+from hora.runner.commands.run_args import build_parser, command_of, knob_environment
+from hora.runner.launching.job import Job
+from hora.runner.launching.worker_env import JobContext, worker_environment
 from hora.workers.hosts import SlotInfo, parse_hosts
 from hora.workers.identity import WorkerIdentity, from_environment
 

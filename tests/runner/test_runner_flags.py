@@ -10,13 +10,13 @@ import pytest
 
 from hora import config
 from hora.cli import main
-from hora.runner.run_args import build_parser, knob_environment, parse_run_args
+from hora.runner.commands.run_args import build_parser, knob_environment, parse_run_args
 
 pytestmark = pytest.mark.timeout(30)
 
 PY = sys.executable
 
-# Every option string of horovodrun 0.28.1's argument parser (horovod/runner/launch.py).
+# Every option string of horovodrun 0.28.1's argument parser (horovod/runner/launching/launch.py).
 HOROVODRUN_OPTIONS = (
     "-h --help -v --version -np --num-proc -cb --check-build --disable-cache --start-timeout "
     "--network-interfaces --network-interface --output-filename --verbose --config-file "

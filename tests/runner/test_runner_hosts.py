@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from hora.errors import ConfigError
-from hora.runner.locality import is_local_host
+from hora.runner.launching.locality import is_local_host
 from hora.workers.hosts import (
     Host,
     assign_slots,

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from hora.runner.output import MAX_LINE_BYTES, OutputRouter, rank_directory_name
-from hora.runner.process import describe_returncode, exit_status_for
+from hora.runner.launching.output import MAX_LINE_BYTES, OutputRouter, rank_directory_name
+from hora.runner.launching.process import describe_returncode, exit_status_for
 
 pytestmark = pytest.mark.timeout(10)
 

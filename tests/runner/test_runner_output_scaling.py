@@ -143,8 +143,8 @@ def test_exit_watcher_reports_each_exit_once_with_and_without_pidfd():
     import queue
     import threading
 
-    from hora.runner.exits import ExitWatcher
-    from hora.runner.process import LocalWorker
+    from hora.runner.launching.exits import ExitWatcher
+    from hora.runner.launching.process import LocalWorker
 
     seen: queue.Queue = queue.Queue()
     watcher = ExitWatcher(lambda key, code, detail: seen.put((key, code, detail)), name="test-exits")

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from hora.errors import ConfigError, LaunchError
-from hora.runner.remote import RemoteTarget, forwarded_environment, remote_command
-from hora.runner.ssh import SshOptions, check_reachable
+from hora.runner.ssh.options import SshOptions, check_reachable
+from hora.runner.ssh.remote import RemoteTarget, forwarded_environment, remote_command
 from hora.workers.remote_bootstrap import frame, resolve_listen_address
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ pytest.importorskip("pyspark")
 import hora
 import hora.spark
 from hora.errors import ConfigError, LaunchError
-from hora.runner.run_args import UnsupportedOption
+from hora.runner.commands.run_args import UnsupportedOption
 
 
 def _identity() -> dict:

@@ -6,7 +6,7 @@
 then ``init()``, which joins the next rendezvous round), syncs the state and calls ``func`` again.
 
 The launcher's side, which discovers hosts, opens each new round with its plan, starts workers on new
-hosts and announces host changes, is :mod:`hora.runner.elastic_driver` (``hora run --min-np ...``).
+hosts and announces host changes, is :mod:`hora.runner.elastic.driver` (``hora run --min-np ...``).
 """
 
 from hora.elastic.loop import ResetLimitError, run, run_fn

@@ -1,6 +1,6 @@
 """How a change of hosts is announced to running workers: one key in the job's rendezvous store.
 
-The elastic driver (:mod:`hora.runner.elastic_driver`) announces
+The elastic driver (:mod:`hora.runner.elastic.driver`) announces
 that hosts were added or removed by writing :data:`HOSTS_UPDATED_KEY` with a JSON object
 ``{"id": <int>, "skip_sync": <bool>}``. ``id`` increases with every announcement, so a worker tells a
 new announcement from one it has already acted on by comparing ids, without the driver having to

@@ -2,7 +2,7 @@
 
 :class:`ElasticRayExecutor` (horovod.ray's) and ``RayExecutor(min_workers=..., max_workers=...)``
 both run one :class:`ElasticRayJob` per ``run`` call. The job hands three things to the same
-:class:`~hora.runner.elastic_driver.ElasticDriver` that supervises process jobs, so blacklisting,
+:class:`~hora.runner.elastic.driver.ElasticDriver` that supervises process jobs, so blacklisting,
 cooldown, rounds, announcements and every bound behave exactly as documented in docs/elastic.md:
 
 - :class:`RayHostDiscovery`: the hosts are Ray's live nodes. A node's slots are the workers its free
@@ -46,11 +46,11 @@ from hora.ray.failures import first_line, lost_reason, remote_exception
 from hora.ray.placement import WorkerResources
 from hora.ray.worker import Call, RayWorker
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
-from hora.runner.discovery import DiscoveryError, HostSlots
-from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
-from hora.runner.elastic_hosts import CLUSTER_COOLDOWN_RANGE
-from hora.runner.launch import WorkerExit
-from hora.runner.worker_env import JobContext, worker_environment
+from hora.runner.elastic.discovery import DiscoveryError, HostSlots
+from hora.runner.elastic.driver import ElasticDriver, ElasticOutcome, ElasticSettings
+from hora.runner.elastic.hosts import CLUSTER_COOLDOWN_RANGE
+from hora.runner.launching.launch import WorkerExit
+from hora.runner.launching.worker_env import JobContext, worker_environment
 from hora.workers.hosts import SlotInfo
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class WorkerResult:
 
 
 class RayActorProcess:
-    """One worker actor as the elastic driver sees it (a :class:`~hora.runner.elastic_driver.WorkerProcess`)."""
+    """One worker actor as the elastic driver sees it (a :class:`~hora.runner.elastic.driver.WorkerProcess`)."""
 
     def __init__(self, launcher: RayActorLauncher, actor: Any, number: int, slot: SlotInfo, node: RayNode) -> None:
         self.launcher = launcher
@@ -264,7 +264,7 @@ class RayActorProcess:
 
 
 class RayActorLauncher:
-    """Starts a job's workers as Ray actors (a :class:`~hora.runner.elastic_driver.WorkerLauncher`)."""
+    """Starts a job's workers as Ray actors (a :class:`~hora.runner.elastic.driver.WorkerLauncher`)."""
 
     def __init__(self, discovery: RayHostDiscovery, call: Call, resources: WorkerResources, timeout_s: float,
                  nics: Sequence[str] | None = None, extra_env: Mapping[str, str] | None = None,

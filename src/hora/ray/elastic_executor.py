@@ -25,7 +25,7 @@ import ray
 from hora.errors import ConfigError, HoraError, LaunchError
 from hora.ray.elastic import DEFAULT_COOLDOWN_RANGE, ElasticRayOptions, RayActorLauncher, run_elastic_job
 from hora.ray.placement import WorkerResources
-from hora.runner.elastic_driver import ElasticOutcome
+from hora.runner.elastic.driver import ElasticOutcome
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ changing its import. What ``start()`` does:
    address) and numbers ranks node by node with :func:`hora.workers.hosts.assign_slots`, so local and
    cross ranks follow the real grouping;
 4. serves the job's rendezvous store from this process with a fresh secret, on this node's Ray
-   address, and gives each actor its rank's environment (:func:`hora.runner.worker_env.worker_environment`)
+   address, and gives each actor its rank's environment (:func:`hora.runner.launching.worker_env.worker_environment`)
    plus ``HORA_HOST_ID`` = its Ray node id, so the transport treats each Ray node as one host
    (shared memory inside it, TCP across) even when several share a machine;
 5. builds the executable on every worker, if a class was given.
@@ -46,7 +46,7 @@ from hora.ray.failures import first_line, lost_reason, remote_exception, strip_c
 from hora.ray.placement import Placement, WorkerResources, reserve
 from hora.ray.worker import Call, RayWorker
 from hora.rendezvous import RendezvousServer, new_secret
-from hora.runner.worker_env import JobContext, worker_environment
+from hora.runner.launching.worker_env import JobContext, worker_environment
 from hora.workers.hosts import Host, SlotInfo, assign_slots
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The actor is plain Python: the driver (:class:`hora.ray.RayExecutor`) asks it where it runs, gives
 it its rank's environment (the same variables ``hora run`` gives a worker process, built by
-:func:`hora.runner.worker_env.worker_environment`), then calls functions on it. ``hora.init()``
+:func:`hora.runner.launching.worker_env.worker_environment`), then calls functions on it. ``hora.init()``
 inside those functions reads that environment and joins the job like any other worker.
 
 A function that raises leaves hora shut down on this worker before the exception travels back, so

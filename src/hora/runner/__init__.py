@@ -1,12 +1,13 @@
-"""The runner layer: launching workers, their output and failure propagation.
+"""The runner layer: launching workers, their output and failure propagation, grouped by concern.
 
-Modules, one job each: :mod:`locality` (is a host this machine?), :mod:`worker_env` (each worker's
-environment), :mod:`process` (spawning and signalling process groups), :mod:`output` (prefixed output
-forwarding), :mod:`launch` (supervising workers), :mod:`job` (a local job with its rendezvous store),
-:mod:`run_args` (``hora run`` options), :mod:`check` (``hora check``), :mod:`api` (``hora.run``),
-:mod:`task` (the worker side of ``hora.run``) and :mod:`mpi_launch` (``hora run --mpi``). Host lists,
-rank layout and a worker's identity belong to :mod:`hora.workers`, below the runtime.
+- :mod:`hora.runner.launching`: the local job with its store, each worker's process, environment,
+  output and exit, and ``hora run --mpi``;
+- :mod:`hora.runner.ssh`: ranks on other hosts;
+- :mod:`hora.runner.elastic`: the elastic driver, host discovery and plans;
+- :mod:`hora.runner.commands`: ``hora run``'s options, ``hora check``, ``hora discover``;
+- :mod:`api` (``hora.run``), :mod:`payload` (the function it ships) and :mod:`task` (its worker side).
 
+Host lists, rank layout and a worker's identity belong to :mod:`hora.workers`, below the runtime.
 Nothing is imported here up front; ``from hora.runner import run`` (Horovod's spelling of
 :func:`hora.run`) loads :mod:`api` when it is asked for.
 """

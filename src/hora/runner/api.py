@@ -21,14 +21,14 @@ import cloudpickle
 
 from hora import config
 from hora.errors import ConfigError, HoraError, WorkerFailedError
-from hora.runner.discovery import DiscoveryFunction
-from hora.runner.elastic_driver import ElasticOutcome
-from hora.runner.elastic_launch import ElasticRequest, run_elastic
-from hora.runner.job import Job
-from hora.runner.launch import JobOutcome
+from hora.runner.commands.run_args import NO_MPI_CONTROLLER, NO_MPIRUN, UnsupportedOption
+from hora.runner.elastic.discovery import DiscoveryFunction
+from hora.runner.elastic.driver import ElasticOutcome
+from hora.runner.elastic.launch import ElasticRequest, run_elastic
+from hora.runner.launching.job import Job
+from hora.runner.launching.launch import JobOutcome
 from hora.runner.payload import dumps_call
-from hora.runner.run_args import NO_MPI_CONTROLLER, NO_MPIRUN, UnsupportedOption
-from hora.runner.ssh import SshOptions
+from hora.runner.ssh.options import SshOptions
 from hora.runner.task import FUNC_KEY, SYS_PATH_KEY, result_key
 from hora.workers.hosts import default_hosts, parse_hostfile, parse_hosts
 
@@ -81,7 +81,7 @@ def run(
     --network-interfaces`` takes. ``use_gloo`` and ``disable_cache`` are accepted and change
     nothing (hora's built-in controller is its only one; it caches no start-up checks). What
     ``use_mpi=True`` starts the workers through ``mpirun`` (``mpi_args`` is added to its command
-    line; see :mod:`hora.runner.mpi_launch`) instead of hora's own launcher.
+    line; see :mod:`hora.runner.launching.mpi`) instead of hora's own launcher.
 
     Elastic jobs (docs/elastic.md): giving ``min_num_proc``/``min_np``, ``max_num_proc``/``max_np``
     or ``discovery`` runs the job under the elastic driver, as ``hora run --min-np/--max-np`` does.
@@ -171,8 +171,8 @@ def _run_through_mpirun(hosts: Sequence[Any], size: int, command: list[str], pay
                         extra_env: dict[str, str], mpi_args: str | None, output_dir: str | None,
                         interfaces: list[str] | None, ssh: SshOptions) -> list[Any]:
     """``use_mpi=True``: mpirun starts the function's workers; results come from the store as usual."""
-    from hora.runner.launch import WorkerExit
-    from hora.runner.mpi_launch import check_transport, run_job
+    from hora.runner.launching.launch import WorkerExit
+    from hora.runner.launching.mpi import check_transport, run_job
 
     check_transport(extra_env, where="hora.run: use_mpi=True")
     job = Job(hosts, size, command, network_interfaces=interfaces, ssh=ssh)

@@ -1,6 +1,6 @@
 """``hora.spark.run_elastic``: an elastic hora job whose slots are long-running Spark tasks.
 
-horovod.spark's ``run_elastic``. The same :class:`~hora.runner.elastic_driver.ElasticDriver` as
+horovod.spark's ``run_elastic``. The same :class:`~hora.runner.elastic.driver.ElasticDriver` as
 ``hora run --min-np`` supervises the job; what is Spark's is how slots appear and workers start
 (:mod:`hora.spark.elastic_agent` is the task side):
 
@@ -13,7 +13,7 @@ horovod.spark's ``run_elastic``. The same :class:`~hora.runner.elastic_driver.El
   (its executor was lost), which counts as the worker being lost.
 
 An executor whose worker failed gets a cooldown before it is used again (``cooldown_range``,
-default :data:`~hora.runner.elastic_hosts.CLUSTER_COOLDOWN_RANGE`); a lost executor's replacement
+default :data:`~hora.runner.elastic.hosts.CLUSTER_COOLDOWN_RANGE`); a lost executor's replacement
 is a new host, used at once.
 """
 
@@ -34,11 +34,11 @@ from hora import config
 from hora.errors import ConfigError, LaunchError
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
 from hora.runner.api import raise_remote
-from hora.runner.discovery import HostSlots
-from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
-from hora.runner.elastic_hosts import CLUSTER_COOLDOWN_RANGE
-from hora.runner.launch import WorkerExit
-from hora.runner.worker_env import JobContext, worker_environment
+from hora.runner.elastic.discovery import HostSlots
+from hora.runner.elastic.driver import ElasticDriver, ElasticOutcome, ElasticSettings
+from hora.runner.elastic.hosts import CLUSTER_COOLDOWN_RANGE
+from hora.runner.launching.launch import WorkerExit
+from hora.runner.launching.worker_env import JobContext, worker_environment
 from hora.spark import elastic_agent as agents
 from hora.spark.runner import OutputRelay, _active_context, _pickled, task_slots
 from hora.workers.hosts import SlotInfo
@@ -154,7 +154,7 @@ class SparkAgentProcess:
 
 
 class SparkAgentLauncher:
-    """Hands workers to idle agents (a :class:`~hora.runner.elastic_driver.WorkerLauncher`)."""
+    """Hands workers to idle agents (a :class:`~hora.runner.elastic.driver.WorkerLauncher`)."""
 
     def __init__(self, server: RendezvousServer, context: JobContext, discovery: SparkAgentDiscovery,
                  extra_env: Mapping[str, str]) -> None:
@@ -294,7 +294,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
 def _quiet_driver(quiet: bool) -> Iterator[None]:
     """``verbose=0``: the driver's per-round lines (INFO) are left out for this call, its warnings
     kept; otherwise the logging configuration decides, as for ``hora run``."""
-    driver_logger = logging.getLogger("hora.runner.elastic_driver")
+    driver_logger = logging.getLogger("hora.runner.elastic.driver")
     saved = driver_logger.level
     if quiet:
         driver_logger.setLevel(logging.WARNING)

@@ -31,8 +31,8 @@ import cloudpickle
 
 from hora import config
 from hora.rendezvous import RendezvousClient
+from hora.runner.launching.worker_env import JobContext
 from hora.runner.task import encode_error, encode_success
-from hora.runner.worker_env import JobContext
 from hora.spark.task import forget_hora, shipped_output
 from hora.workers.remote_bootstrap import resolve_listen_address
 

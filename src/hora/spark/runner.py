@@ -34,8 +34,8 @@ from hora import config
 from hora.errors import ConfigError, HorovodInternalError, LaunchError
 from hora.rendezvous import RendezvousServer, new_secret
 from hora.runner.api import raise_remote, refuse_unsupported
+from hora.runner.launching.worker_env import JobContext
 from hora.runner.payload import dumps_call
-from hora.runner.worker_env import JobContext
 from hora.spark.task import FUNC_KEY, KEY_PREFIX, SYS_PATH_KEY, TaskSpec, output_prefix, run_task
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ import cloudpickle
 
 from hora import config
 from hora.rendezvous import RendezvousClient
+from hora.runner.launching.worker_env import JobContext, worker_environment
 from hora.runner.task import encode_error, encode_success
-from hora.runner.worker_env import JobContext, worker_environment
 from hora.workers.hosts import Host, SlotInfo, assign_slots
 from hora.workers.remote_bootstrap import resolve_listen_address
 

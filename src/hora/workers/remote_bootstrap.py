@@ -2,7 +2,7 @@
 
 The launcher never puts this file, the worker's environment or the job secret on a command line.
 The SSH command line only says ``cd CWD`` and starts a Python with a one-line loader (see
-:mod:`hora.runner.remote`); the loader reads this module's source from its stdin (the SSH channel)
+:mod:`hora.runner.ssh.remote`); the loader reads this module's source from its stdin (the SSH channel)
 and runs it, and this code then reads the job payload from the same stdin: a length-prefixed JSON
 object with the worker's argv, working directory, environment (which carries the secret), the
 ``--network-interfaces`` list, the kill grace and a per-launch status token. So the secret travels

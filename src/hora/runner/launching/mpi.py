@@ -25,7 +25,7 @@ from hora.errors import ConfigError, LaunchError
 from hora.workers.hosts import Host
 
 if TYPE_CHECKING:
-    from hora.runner.job import Job
+    from hora.runner.launching.job import Job
 
 # Variables every rank needs whatever the host: what Python and the libraries are found through.
 _FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
@@ -129,7 +129,7 @@ def job_environment(job_env: Mapping[str, str], extra_env: Mapping[str, str] | N
     """What mpirun starts with: the launcher's environment without any per-rank hora identity (mpirun
     gives each rank its own), the knobs, and the job's store address, secret and id."""
     from hora import config
-    from hora.runner.worker_env import IDENTITY_KNOBS
+    from hora.runner.launching.worker_env import IDENTITY_KNOBS
 
     env = dict(os.environ if base is None else base)
     for name in IDENTITY_KNOBS:

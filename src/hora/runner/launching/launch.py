@@ -1,12 +1,12 @@
 """Supervising a job's worker processes, here and on remote hosts, until the job ends.
 
 The rule (Horovod's): the first worker to fail, by a non-zero exit or a signal, ends the job. The
-supervisor notices at once (one :class:`~hora.runner.exits.ExitWatcher` thread holds every worker's
+supervisor notices at once (one :class:`~hora.runner.launching.exits.ExitWatcher` thread holds every worker's
 pidfd and reports exits to a queue; output is read by one thread too, so a 64-rank job costs the
 launcher two threads, not 192), stops
 every other worker, and reports which rank failed, where and how. A local worker is stopped by
 SIGTERM to its process group, SIGKILL after the grace period; a remote one (started over SSH, see
-:mod:`hora.runner.remote`) by closing its ssh channel's stdin, on which the remote wrapper does the
+:mod:`hora.runner.ssh.remote`) by closing its ssh channel's stdin, on which the remote wrapper does the
 same there, and by killing the ssh client if that takes longer than the grace. A termination signal
 to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops every worker the same way. Whatever happens,
 including an exception in the launcher itself, no worker or worker child is left running when
@@ -26,10 +26,10 @@ from types import FrameType
 from typing import Any
 
 from hora.errors import LaunchError
-from hora.runner.exits import ExitWatcher
-from hora.runner.output import OutputRouter
-from hora.runner.process import LocalWorker, describe_returncode, exit_status_for, signal_name
-from hora.runner.remote import RemoteTarget, RemoteWorker
+from hora.runner.launching.exits import ExitWatcher
+from hora.runner.launching.output import OutputRouter
+from hora.runner.launching.process import LocalWorker, describe_returncode, exit_status_for, signal_name
+from hora.runner.ssh.remote import RemoteTarget, RemoteWorker
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hora.runner.discovery import HostSlots
+from hora.runner.elastic.discovery import HostSlots
 from hora.workers.hosts import Host, SlotInfo, assign_slots
 
 logger = logging.getLogger(__name__)

@@ -121,7 +121,7 @@ def group_alive(pgid: int) -> bool:
 class LocalWorker:
     """A worker started on this machine, leading its own process group.
 
-    The supervisor drives local and remote workers (:class:`hora.runner.remote.RemoteWorker`)
+    The supervisor drives local and remote workers (:class:`hora.runner.ssh.remote.RemoteWorker`)
     through the same few methods: ``wait``, ``poll_exit``, ``terminate``, ``kill``, ``alive``.
     """
 

@@ -2,7 +2,7 @@
 
 Both ``hora run`` and :func:`hora.run` go through :class:`Job`. It lays ranks out on the hosts,
 starts ranks on this machine as child processes and ranks on other hosts over SSH (see
-:mod:`hora.runner.remote`), starts the job's rendezvous server with a fresh secret, builds each
+:mod:`hora.runner.ssh.remote`), starts the job's rendezvous server with a fresh secret, builds each
 rank's environment and hands the workers to the supervisor. The store stays readable until the job
 is closed, so :func:`hora.run` can collect results after the workers exit.
 
@@ -21,12 +21,12 @@ from typing import TextIO
 from hora import config
 from hora.errors import LaunchError
 from hora.rendezvous import KeyValueStore, RendezvousServer, new_secret
-from hora.runner.launch import JobOutcome, WorkerSpec, run_workers
-from hora.runner.locality import is_local_host
-from hora.runner.output import OutputRouter
-from hora.runner.remote import RemoteTarget, forwarded_environment
-from hora.runner.ssh import SshOptions, check_reachable
-from hora.runner.worker_env import JobContext, worker_environment
+from hora.runner.launching.launch import JobOutcome, WorkerSpec, run_workers
+from hora.runner.launching.locality import is_local_host
+from hora.runner.launching.output import OutputRouter
+from hora.runner.launching.worker_env import JobContext, worker_environment
+from hora.runner.ssh.options import SshOptions, check_reachable
+from hora.runner.ssh.remote import RemoteTarget, forwarded_environment
 from hora.workers.hosts import Host, SlotInfo, assign_slots, hosts_used
 from hora.workers.network import launcher_address
 from hora.workers.remote_bootstrap import resolve_listen_address

@@ -3,10 +3,10 @@
 A fixed-size job ends at the first failed worker. An elastic job instead re-forms its world, in the
 same surviving worker processes, through a new rendezvous round (:mod:`hora.rendezvous.rounds`):
 
-- **Hosts.** A background thread asks the :class:`~hora.runner.discovery.HostDiscovery` every
+- **Hosts.** A background thread asks the :class:`~hora.runner.elastic.discovery.HostDiscovery` every
   ``discovery_interval`` seconds. A failed poll is logged (once per distinct error) and the last good
-  answer stands. The :class:`~hora.runner.elastic_hosts.HostRegistry` removes blacklisted hosts.
-- **Rounds.** Whenever the usable hosts give a plan (:func:`~hora.runner.elastic_hosts.plan_world`)
+  answer stands. The :class:`~hora.runner.elastic.hosts.HostRegistry` removes blacklisted hosts.
+- **Rounds.** Whenever the usable hosts give a plan (:func:`~hora.runner.elastic.hosts.plan_world`)
   other than the current world's, the driver first writes a host-update announcement
   (:mod:`hora.elastic.notification`; running workers raise ``HostsUpdatedInterrupt`` at their next
   commit), then opens the next round with the new plan, superseding any round still forming, and
@@ -46,13 +46,13 @@ from hora.elastic.notification import HostsUpdate, announce_hosts_update, read_h
 from hora.errors import ConfigError, HoraError, LaunchError
 from hora.rendezvous import KeyValueStore
 from hora.rendezvous.rounds import Round
-from hora.runner.discovery import DiscoveryError, HostDiscovery
-from hora.runner.elastic_hosts import HostRegistry, Plan, describe_plan, plan_size, plan_slots, plan_world
-from hora.runner.exits import ExitWatcher
-from hora.runner.job import Job
-from hora.runner.launch import JobOutcome, WorkerExit, _explained, _SignalTrap, start_worker
-from hora.runner.locality import is_local_host
-from hora.runner.process import describe_returncode, signal_name
+from hora.runner.elastic.discovery import DiscoveryError, HostDiscovery
+from hora.runner.elastic.hosts import HostRegistry, Plan, describe_plan, plan_size, plan_slots, plan_world
+from hora.runner.launching.exits import ExitWatcher
+from hora.runner.launching.job import Job
+from hora.runner.launching.launch import JobOutcome, WorkerExit, _explained, _SignalTrap, start_worker
+from hora.runner.launching.locality import is_local_host
+from hora.runner.launching.process import describe_returncode, signal_name
 from hora.workers.hosts import SlotInfo
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class WorkerLauncher(Protocol):
 
 
 class JobLauncher:
-    """Workers as processes of a :class:`~hora.runner.job.Job`: here, or over SSH on other hosts."""
+    """Workers as processes of a :class:`~hora.runner.launching.job.Job`: here, or over SSH on other hosts."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -235,7 +235,7 @@ class ElasticOutcome(JobOutcome):
 
 class ElasticDriver:
     """Runs one elastic job until it ends; see the module doc. ``launcher`` starts the workers (a
-    :class:`~hora.runner.job.Job`, entered so its store is up, stands for its :class:`JobLauncher`)."""
+    :class:`~hora.runner.launching.job.Job`, entered so its store is up, stands for its :class:`JobLauncher`)."""
 
     def __init__(self, launcher: WorkerLauncher | Job, discovery: HostDiscovery, settings: ElasticSettings,
                  handle_signals: bool = False) -> None:

@@ -4,7 +4,7 @@ Both front ends describe the job as an :class:`ElasticRequest`, so the defaults 
 whichever a user starts from: ``--min-np`` defaults to ``-np`` and ``-np`` to ``--min-np``, ``--max-np``
 to no limit, ``--elastic-timeout`` to 600 s (Horovod's), and hosts come from a discovery script (or
 function), else ``-H``/``--hostfile``, else ``localhost:np``. :func:`run_elastic` opens the job's
-rendezvous store and hands the job to :class:`~hora.runner.elastic_driver.ElasticDriver`.
+rendezvous store and hands the job to :class:`~hora.runner.elastic.driver.ElasticDriver`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TextIO
 from hora import config
 from hora.errors import ConfigError
 from hora.rendezvous import KeyValueStore
-from hora.runner.discovery import (
+from hora.runner.elastic.discovery import (
     DiscoveryError,
     DiscoveryFunction,
     FixedHosts,
@@ -26,9 +26,9 @@ from hora.runner.discovery import (
     HostDiscovery,
     ScriptDiscovery,
 )
-from hora.runner.elastic_driver import ElasticDriver, ElasticOutcome, ElasticSettings
-from hora.runner.job import Job
-from hora.runner.ssh import SshOptions
+from hora.runner.elastic.driver import ElasticDriver, ElasticOutcome, ElasticSettings
+from hora.runner.launching.job import Job
+from hora.runner.ssh.options import SshOptions
 from hora.workers.hosts import Host, SlotInfo, default_hosts, parse_hostfile, parse_hosts
 
 logger = logging.getLogger(__name__)

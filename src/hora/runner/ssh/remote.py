@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import IO
 
 from hora import config
-from hora.runner.process import group_alive, signal_group, spawn
-from hora.runner.ssh import SshOptions
+from hora.runner.launching.process import group_alive, signal_group, spawn
+from hora.runner.ssh.options import SshOptions
 from hora.workers import remote_bootstrap
 
 logger = logging.getLogger(__name__)
