@@ -105,7 +105,8 @@ def test_powersgd_refuses_to_compress_a_tensor_with_a_one_line_reason() -> None:
 
 
 def test_gradient_wrappers_refuse_powersgd_unless_they_hold_state() -> None:
-    from hora import gradient_buckets, horovod_args
+    from hora import horovod_args
+    from hora.binding import gradient_buckets
     from hora.errors import UnsupportedOperationError
 
     spec = Compression.powersgd(rank=2)

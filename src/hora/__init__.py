@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hora.binding.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.collectives import (
     allgather as allgather,
     allgather_async as allgather_async,
@@ -38,7 +39,6 @@ from hora.collectives import (
     reducescatter_async as reducescatter_async,
     synchronize as synchronize,
 )
-from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.errors import (
     HoraError as HoraError,
     HorovodInternalError as HorovodInternalError,

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from hora import basics, batched
+from hora import basics
+from hora.binding import batched
 from hora.collectives import broadcast_object
 from hora.elastic import ObjectState
 from hora.keras_wrapper import aggregation_variables, build_now

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from hora import basics, batched, horovod_args
+from hora import basics, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
+from hora.binding import batched
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
 

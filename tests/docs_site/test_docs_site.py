@@ -98,7 +98,7 @@ def _module_file(module: str) -> Path:
 
 
 def _common_names() -> list[str]:
-    return _literal_all(_module_file("hora.common_api"))
+    return _literal_all(_module_file("hora.binding.common_api"))
 
 
 def _literal_all(path: Path) -> list[str]:
@@ -121,9 +121,9 @@ def _eval_all(node: ast.expr, aliases: dict[str, list[str]]) -> list[str]:
 def public_names(package: str) -> set[str]:
     """A package's public names as ``from package import *`` would see them, read from its source.
 
-    ``__all__`` when the package defines one (``__all__`` of hora.common_api spliced in where it is
-    named); otherwise every public name it imports from hora or defines, plus hora.common_api's names
-    for ``from hora.common_api import *``, plus ``run`` where the package serves it lazily.
+    ``__all__`` when the package defines one (``__all__`` of hora.binding.common_api spliced in where it is
+    named); otherwise every public name it imports from hora or defines, plus hora.binding.common_api's names
+    for ``from hora.binding.common_api import *``, plus ``run`` where the package serves it lazily.
     """
     tree = ast.parse(_module_file(package).read_text(encoding="utf-8"))
     aliases: dict[str, list[str]] = {}
@@ -134,7 +134,7 @@ def public_names(package: str) -> set[str]:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hora":
                 for alias in node.names:
                     if alias.name == "*":
-                        names.update(_common_names() if node.module == "hora.common_api" else [])
+                        names.update(_common_names() if node.module == "hora.binding.common_api" else [])
                     elif alias.name == "__all__":
                         aliases[alias.asname or alias.name] = _literal_all(_module_file(node.module))
                     else:
@@ -184,7 +184,7 @@ def test_api_page_lists_every_public_name(page: str, package: str) -> None:
     members = _members(package, blocks)
     documented = members | _submodule_blocks(package, blocks)
     public = public_names(package)
-    # The names shared by every binding (hora.common_api: init, rank, Average, ProcessSet, ...) are the
+    # The names shared by every binding (hora.binding.common_api: init, rank, Average, ProcessSet, ...) are the
     # very same objects everywhere; the hora page documents them once and the others link to it.
     expected = public if package == "hora" else public - set(_common_names())
     missing = sorted(expected - documented)

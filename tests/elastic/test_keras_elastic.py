@@ -26,7 +26,7 @@ from sections import JobResults  # noqa: E402
 from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 import hora.keras as hvd  # noqa: E402
-from hora import batched  # noqa: E402
+from hora.binding import batched  # noqa: E402
 from hora.errors import PeerFailureError  # noqa: E402
 from hora.keras.elastic import (  # noqa: E402
     CommitStateCallback,

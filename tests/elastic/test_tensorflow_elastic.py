@@ -26,7 +26,7 @@ from shared_jobs import Sections, announce_host_change, generation  # noqa: E402
 
 import hora  # noqa: E402
 import hora.tensorflow as hvd  # noqa: E402
-from hora import batched  # noqa: E402
+from hora.binding import batched  # noqa: E402
 from hora.elastic import run_fn  # noqa: E402
 from hora.errors import HorovodInternalError, PeerFailureError  # noqa: E402
 from hora.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, _raising_internal_errors  # noqa: E402

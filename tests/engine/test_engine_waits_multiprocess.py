@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hora
-from hora import batched
+from hora.binding import batched
 from hora.horovod_args import GradientReduction
 
 pytestmark = pytest.mark.timeout(120)

@@ -386,7 +386,7 @@ def test_memory_report_of_a_plain_optimizer():
 
 
 def test_every_rank_uses_the_same_plan(job):
-    from hora.shard_plan import plan_shards
+    from hora.binding.shard_plan import plan_shards
 
     sizes = [p.numel() * p.element_size() for p in make_model().parameters()]
     plans = [job.get("plan_everywhere", r) for r in range(job.size)]

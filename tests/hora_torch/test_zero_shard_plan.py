@@ -1,4 +1,4 @@
-"""hora.shard_plan: which rank owns which parameter when optimizer state is sharded. No processes.
+"""hora.binding.shard_plan: which rank owns which parameter when optimizer state is sharded. No processes.
 
 The plan must be contiguous, cover every parameter exactly once, keep each whole, make the largest
 shard as small as any contiguous split can (checked against every split of small random cases), and
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from hora.shard_plan import ShardPlan, plan_shards
+from hora.binding.shard_plan import ShardPlan, plan_shards
 
 
 def best_max_shard(sizes: list[int], ranks: int) -> int:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.binding.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.compression import Compression as Compression
 from hora.jax.functions import (
     allgather_object as allgather_object,

@@ -10,8 +10,9 @@ from typing import Any
 
 import jax
 
-from hora import batched, collectives
+from hora import collectives
 from hora.basics import ProcessSet, global_process_set
+from hora.binding import batched
 from hora.jax.arrays import new_like, to_host
 
 

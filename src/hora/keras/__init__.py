@@ -16,9 +16,9 @@ import numpy as np
 
 from hora import collectives
 from hora.basics import Average, ProcessSet, global_process_set
+from hora.binding.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.binding.common_api import __all__ as _common
 from hora.collectives import allgather_object, broadcast_object
-from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
-from hora.common_api import __all__ as _common
 from hora.compression import Compression
 from hora.keras import callbacks, elastic
 from hora.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hora import basics, batched, collectives
+from hora import basics, collectives
 from hora.basics import Average
+from hora.binding import batched
 from hora.keras_wrapper import build_now, keras_api, to_numpy, uses_tf_keras
 
 if TYPE_CHECKING:  # tf_keras has the same API

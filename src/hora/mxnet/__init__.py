@@ -4,7 +4,7 @@ own environment (docs/mxnet.md)."""
 
 from __future__ import annotations
 
-from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.binding.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.mxnet.compression import Compression as Compression
 from hora.mxnet.functions import (
     allgather_object as allgather_object,

@@ -7,8 +7,9 @@ from typing import Any
 
 import mxnet as mx
 
-from hora import basics, batched, collectives
+from hora import basics, collectives
 from hora.basics import ProcessSet, global_process_set
+from hora.binding import batched
 from hora.mxnet.mpi_ops import broadcast_
 from hora.mxnet.tensors import to_host, write_into
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import mxnet as mx
 
-from hora import batched, horovod_args
+from hora import horovod_args
 from hora.basics import ProcessSet, global_process_set
+from hora.binding import batched
 from hora.horovod_args import GradientReduction
 from hora.mxnet.compression import Compression
 from hora.mxnet.tensors import check_dtype, new_like, to_host, where, write_into

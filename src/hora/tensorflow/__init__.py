@@ -8,8 +8,8 @@ stays. Collectives work eagerly, inside ``tf.function`` and in TensorFlow 1 grap
 
 from __future__ import annotations
 
-from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
-from hora.common_api import __all__ as _common
+from hora.binding.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.binding.common_api import __all__ as _common
 from hora.compression import Compression
 from hora.tensorflow.functions import (
     BroadcastGlobalVariablesHook,

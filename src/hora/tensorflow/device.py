@@ -264,7 +264,7 @@ def alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
 def reduce_gradients(tensors: Sequence[tf.Tensor | None], names: Sequence[str | None],
                      reduction: GradientReduction,
                      groups: int | list[list[int]] | None = None) -> list[tf.Tensor | None] | None:
-    """A dense gradient list on NCCL as :func:`hora.batched.start` sends it on the host path (the same
+    """A dense gradient list on NCCL as :func:`hora.binding.batched.start` sends it on the host path (the same
     names, the same groups), or None when any gradient cannot go."""
     present = [i for i, t in enumerate(tensors) if t is not None]
     fields = _fields(reduction.op, reduction.prescale_factor, reduction.postscale_factor)

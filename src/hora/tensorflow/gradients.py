@@ -3,7 +3,7 @@
 :func:`allreduce_list` is what the tape, the optimizers on the TensorFlow backend and ``allreduce``
 of an ``IndexedSlices`` all do: compress the dense gradients, reduce every gradient of the list in
 one engine round (dense ones allreduced, in Horovod's groups if any, else, for the gradient
-wrappers, flattened into buckets of :mod:`hora.gradient_buckets` with one request each; sparse ones
+wrappers, flattened into buckets of :mod:`hora.binding.gradient_buckets` with one request each; sparse ones
 gathered as values and indices, or densified with ``sparse_as_dense``), decompress. One op per list
 keeps the ranks in step inside ``tf.function`` (see :mod:`hora.tensorflow.tensors`). A list of dense
 GPU gradients goes to NCCL in place, with the same names and groups (:mod:`hora.tensorflow.device`).
@@ -18,8 +18,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hora import basics, batched, gradient_buckets, horovod_args
+from hora import basics, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
+from hora.binding import batched, gradient_buckets
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
 from hora.tensorflow import device
@@ -28,7 +29,7 @@ from hora.tensorflow.tensors import collective_name, leading_unknown, run_numpy,
 
 def _plan_buckets(dense: dict[int, tf.Tensor], names: Sequence[str | None], reduction: GradientReduction,
                   compression) -> list[list[int]]:
-    """Positions of ``dense`` that travel as flat buckets (:mod:`hora.gradient_buckets`'s rule), in
+    """Positions of ``dense`` that travel as flat buckets (:mod:`hora.binding.gradient_buckets`'s rule), in
     reverse list order (about the order backward produces them). Gradients of unknown static shape
     (and unnamed lists, whose ranks would not agree on a bucket's name) stay per tensor."""
     if not gradient_buckets.bucketable(reduction.op, compression) or any(n is None for n in names):

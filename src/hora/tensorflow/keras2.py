@@ -15,7 +15,7 @@ has no such method of its own, so the wrapper supplies it there.
 ``apply_gradients`` reduces gradients that did not come through those (a custom loop's own
 ``tape.gradient``): Horovod leaves them unreduced there, which silently trains each rank on its own
 data; hora reduces them once, wherever they enter. The reduction is hora.tensorflow's (one op in the
-step Keras compiles; dense gradients in flat buckets of :mod:`hora.gradient_buckets`, one engine
+step Keras compiles; dense gradients in flat buckets of :mod:`hora.binding.gradient_buckets`, one engine
 request each; IndexedSlices gathered, or densified with ``sparse_as_dense``). Variables given to
 ``register_local_var`` keep their own gradient on each rank.
 

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hora import basics, batched, collectives
+from hora import basics, collectives
 from hora.basics import Average, ProcessSet, Sum, global_process_set
+from hora.binding import batched
 from hora.compression import Compression
 from hora.engine.request import Kind
 from hora.horovod_args import GradientReduction, check_sum_or_average, resolve_op

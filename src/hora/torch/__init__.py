@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hora.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
+from hora.binding.common_api import *  # noqa: F403 - re-exported: lifecycle, topology, reduce ops, process sets, errors
 from hora.torch import elastic as elastic  # hvd.elastic.run, as after `import horovod.torch as hvd`
 from hora.torch.compression import Compression as Compression
 from hora.torch.functions import (

@@ -4,7 +4,7 @@ A hook on every parameter fires as soon as its gradient has been accumulated and
 asynchronous allreduce of it, so communication overlaps the rest of the backward pass. ``step()``
 waits for whatever is still in flight, then lets the wrapped optimizer update the weights.
 
-Gradients travel in buckets (one request each; :mod:`hora.gradient_buckets` plans them), and each
+Gradients travel in buckets (one request each; :mod:`hora.binding.gradient_buckets` plans them), and each
 bucket owns a flat buffer of which its parameters' ``.grad`` are views, as with PyTorch DDP's
 ``gradient_as_bucket_view``: the allreduce runs in place on the buffer, so nothing is flattened in the
 hooks or copied back at ``synchronize()`` while the gradients stay views (:class:`_BucketBuffer`).
@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hora import basics, collectives, gradient_buckets, horovod_args
+from hora import basics, collectives, horovod_args
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
+from hora.binding import gradient_buckets
 from hora.compression import PowerSGDSpec
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
@@ -299,7 +300,7 @@ class _DistributedOptimizer(_OptimizerBase):
 
     def _make_buckets(self) -> list[list]:
         """Consecutive parameters in reverse registration order (about the order backward produces
-        their gradients), planned by :mod:`hora.gradient_buckets` (the rule every binding shares)."""
+        their gradients), planned by :mod:`hora.binding.gradient_buckets` (the rule every binding shares)."""
         cap = gradient_buckets.bucket_bytes()
         if self._excluded or not gradient_buckets.bucketable(self._op, self._compression):
             return []

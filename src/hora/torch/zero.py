@@ -1,7 +1,7 @@
 """ZeroRedundancyOptimizer: optimizer state sharded across ranks (ZeRO stage 1), torch's API on hora.
 
 Every Horovod rank holds the whole optimizer state, and Adam's two moments are twice the model. Here
-each rank keeps state only for its own shard of the parameters (``hora.shard_plan`` decides which,
+each rank keeps state only for its own shard of the parameters (``hora.binding.shard_plan`` decides which,
 the same way on every rank), steps only that shard, and the updated parameters are allgathered back.
 
 hora has no DistributedDataParallel to average gradients before ``step()``, so ``step()`` averages
@@ -21,8 +21,8 @@ import torch
 
 from hora import basics, collectives
 from hora.basics import Average, ProcessSet, global_process_set
+from hora.binding.shard_plan import ShardPlan, plan_shards
 from hora.errors import CollectivePreconditionError, UnsupportedOperationError
-from hora.shard_plan import ShardPlan, plan_shards
 from hora.torch import mpi_ops
 from hora.torch.zero_state import (
     from_bytes,

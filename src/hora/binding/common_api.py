@@ -2,7 +2,7 @@
 process sets and errors.
 
 ``hora``, ``hora.torch``, ``hora.tensorflow`` and ``hora.keras`` take them with
-``from hora.common_api import *``, so that ``hvd.init()``, ``hvd.rank()``, the reduce ops, process
+``from hora.binding.common_api import *``, so that ``hvd.init()``, ``hvd.rank()``, the reduce ops, process
 sets and Horovod's error classes are the very same objects whichever binding a script imports.
 """
 
