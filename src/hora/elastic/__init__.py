@@ -5,8 +5,12 @@
 (:class:`~hora.errors.HostsUpdatedInterrupt`), it re-forms the world in the same process (``shutdown()``
 then ``init()``, which joins the next rendezvous round), syncs the state and calls ``func`` again.
 
-The launcher's side, which discovers hosts, opens each new round with its plan, starts workers on new
-hosts and announces host changes, is :mod:`hora.runner.elastic.driver` (``hora run --min-np ...``).
+Every piece of elastic training, from here: the launcher's side, which discovers hosts, opens each
+new round with its plan, starts workers on new hosts and announces host changes, is
+:mod:`hora.runner.elastic` (``hora run --min-np ...``); each framework's state classes are in its
+binding (``hora.torch.elastic``, ``hora.tensorflow.elastic``, ``hora.keras.elastic``, and the Keras
+variables in :mod:`hora.elastic_variables`); Ray's and Spark's elastic executors are
+:mod:`hora.ray.elastic` and :mod:`hora.spark.elastic`.
 """
 
 from hora.elastic.loop import ResetLimitError, run, run_fn
