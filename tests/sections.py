@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from job_env import SKIP_IMPORTS, skip_imports
+
 import hora
 
 # A request stuck because ranks diverged fails after this long instead of hanging the job; the
@@ -76,10 +78,27 @@ class JobResults:
 def run_job(func: Callable[[], list[tuple[str, Callable[[], Any]]]], np: int,
             env: dict[str, str] | None = None) -> JobResults:
     """Run ``func`` (called once hora is initialised; it returns its sections) on ``np`` workers."""
-    return JobResults(hora.run(_job_main, args=(func,), np=np, env={**JOB_ENV, **(env or {})}))
+    env = {**JOB_ENV, **(env or {})}
+    return JobResults(hora.run(_job_main, args=(_Prelude.of(env), func), np=np, env=env))
 
 
-def _job_main(func: Callable[[], list[tuple[str, Callable[[], Any]]]]) -> dict[str, Any]:
+class _Prelude:
+    """What a worker does before it unpickles the job's functions: it travels first among their
+    arguments, and unpickling it makes the packages a job's ``SKIP_IMPORTS`` variable names look
+    absent (see :func:`job_env.skip_imports`) before any test module imports TensorFlow."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    @classmethod
+    def of(cls, env: dict[str, str]) -> _Prelude:
+        return cls(tuple(n for n in env.get(SKIP_IMPORTS, "").split(",") if n))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return skip_imports, (self.names,)
+
+
+def _job_main(prelude: None, func: Callable[[], list[tuple[str, Callable[[], Any]]]]) -> dict[str, Any]:
     hora.init()  # the same init as hora.torch.init, hora.tensorflow.init and hora.keras.init
     try:
         return run_sections(func())
@@ -90,7 +109,8 @@ def _job_main(func: Callable[[], list[tuple[str, Callable[[], Any]]]]) -> dict[s
 # ---- one job for several test modules --------------------------------------------------------------
 #
 # Every TensorFlow worker spends about 7 CPU-seconds importing TensorFlow (and Keras 3, which it
-# loads eagerly), which is more than most modules' sections take to run. Modules whose jobs need the
+# loads eagerly), and a torch worker about 2, which is more than most modules' sections take to run
+# (hora.torch's and hora.tensorflow's modules share jobs this way). Modules whose jobs need the
 # same world size and environment therefore register their section functions with a SharedJob at
 # import time (that is, at collection), and the first of them to ask for its results runs ONE job
 # that calls every registered function, in collection order, each with its sections isolated as
@@ -140,7 +160,8 @@ class SharedJob:
             members = [m for m in world.members if m.file in selected or m is self]
             members.sort(key=lambda m: m.last)
             try:
-                per_rank = hora.run(_shared_main, args=([m.func for m in members],), np=world.np, env=world.env)
+                per_rank = hora.run(_shared_main, args=(_Prelude.of(world.env), [m.func for m in members]),
+                                    np=world.np, env=world.env)
                 world.results = {m.id: JobResults([ranks[m.id] for ranks in per_rank]) for m in members}
             except BaseException as exc:  # every module sharing the job fails with its error
                 world.error = exc
@@ -150,7 +171,8 @@ class SharedJob:
         return world.results[self.id]
 
 
-def _shared_main(funcs: list[Callable[[], list[tuple[str, Callable[[], Any]]]]]) -> dict[str, dict[str, Any]]:
+def _shared_main(prelude: None,
+                 funcs: list[Callable[[], list[tuple[str, Callable[[], Any]]]]]) -> dict[str, dict[str, Any]]:
     hora.init()
     try:
         out: dict[str, dict[str, Any]] = {}

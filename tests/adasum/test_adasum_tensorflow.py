@@ -17,10 +17,11 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from adasum_reference import pair, rank_input
+from job_env import SKIP_IMPORTS, TENSORFLOW_OPTIONAL_IMPORTS
 from sections import JobResults, run_job
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
-          "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow"}
+          "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow", SKIP_IMPORTS: ",".join(TENSORFLOW_OPTIONAL_IMPORTS)}
 LR = 0.1
 
 

@@ -11,6 +11,7 @@ _TENSORFLOW_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 if _TENSORFLOW_TESTS not in sys.path:
     sys.path.append(_TENSORFLOW_TESTS)
 
+from job_env import skip_imports  # noqa: E402
 from tf_job import TF_ENV, JobResults, run_job as run_tf_job  # noqa: E402
 
 #: Packages that TensorFlow and Keras import whenever they are installed, for features no elastic test
@@ -24,8 +25,7 @@ def skip_optional_imports() -> None:
     """In a worker, before it imports TensorFlow or Keras: make importing OPTIONAL_IMPORTS fail as if
     they were not installed (each library catches that ImportError). Never in the test process, whose
     other tests may use them."""
-    for name in OPTIONAL_IMPORTS:
-        sys.modules.setdefault(name, None)
+    skip_imports(OPTIONAL_IMPORTS)
 
 
 __all__ = ["JobResults", "TF_ENV", "run_tf_job", "skip_optional_imports"]

@@ -22,6 +22,7 @@ pytest.importorskip("keras")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hora_tensorflow"))
 
 import keras_sections as ks
+from job_env import SKIP_IMPORTS, TENSORFLOW_OPTIONAL_IMPORTS
 from tf_job import JobResults, run_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -76,7 +77,8 @@ def _job() -> list:
 
 @pytest.fixture(scope="module")
 def ranks2() -> JobResults:
-    return run_job(_job, np=2, env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"})
+    return run_job(_job, np=2, env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+                                    SKIP_IMPORTS: ",".join(n for n in TENSORFLOW_OPTIONAL_IMPORTS if n != "jax")})
 
 
 def test_runs_on_the_jax_backend_2ranks(ranks2):

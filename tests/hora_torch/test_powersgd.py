@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sections import JobResults, run_job  # noqa: E402
+from sections import JobResults, SharedJob  # noqa: E402
 
 from hora.compression import Compression  # noqa: E402
 from hora.errors import UnsupportedOperationError  # noqa: E402
@@ -31,7 +31,7 @@ from hora.torch.powersgd import (  # noqa: E402
     state_for_new_world,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test runs every module's share of the job
 
 
 class OneRank:
@@ -474,9 +474,12 @@ def _psgd_loss(model, step: int, rank: int):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+JOB = SharedJob(_job, np=2)  # one 2-rank job for every hora.torch module
+
+
 @pytest.fixture(scope="module")
-def job() -> JobResults:
-    return run_job(_job, np=2)
+def job(request) -> JobResults:
+    return JOB.results(request)
 
 
 def _numpy_powersgd(inputs: list[list[dict[str, torch.Tensor]]], rank: int, start_iter: int,

@@ -19,9 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
-from sections import JobResults, run_job  # noqa: E402
+from sections import JobResults, SharedJob  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test runs every module's share of the job
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -552,14 +552,18 @@ def _job_3ranks() -> list:
     return sections
 
 
-@pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job_2ranks, np=2)
+# One job per world size for every hora.torch module (each worker imports torch once): tests/sections.py.
+RANKS2, RANKS3 = SharedJob(_job_2ranks, np=2), SharedJob(_job_3ranks, np=3)
 
 
 @pytest.fixture(scope="module")
-def ranks3() -> JobResults:
-    return run_job(_job_3ranks, np=3)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
+
+
+@pytest.fixture(scope="module")
+def ranks3(request) -> JobResults:
+    return RANKS3.results(request)
 
 
 @pytest.fixture(params=["ranks2", "ranks3"], ids=["2ranks", "3ranks"])

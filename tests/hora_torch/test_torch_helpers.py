@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sections import JobResults, run_job  # noqa: E402
+from sections import JobResults, SharedJob  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test runs every module's share of the job
 
 SBN_ROWS = (3, 5)  # rank 0 and rank 1 batch sizes: SyncBatchNorm must weigh them by count
 
@@ -201,9 +201,12 @@ def _job() -> list:
     ]
 
 
+RANKS2 = SharedJob(_job, np=2)  # one 2-rank job for every hora.torch module
+
+
 @pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
 
 
 # ---- broadcast_parameters -----------------------------------------------------------------------

@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sections import JobResults, run_job  # noqa: E402
+from sections import JobResults, SharedJob  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test runs every module's share of the job
 
 STEPS = 20
 BATCH = 16  # global batch; each of the 2 ranks takes 8 rows
@@ -700,9 +700,12 @@ def _job() -> list:
     ]
 
 
+RANKS2 = SharedJob(_job, np=2)  # one 2-rank job for every hora.torch module
+
+
 @pytest.fixture(scope="module")
-def ranks2() -> JobResults:
-    return run_job(_job, np=2)
+def ranks2(request) -> JobResults:
+    return RANKS2.results(request)
 
 
 def assert_close_lists(got, want, **tol):
@@ -1071,7 +1074,7 @@ def rules2() -> JobResults:
 
     import hora
 
-    return JobResults(hora.run(_job_main, args=(_job_wrapper_rules,), np=2, env=RULES_ENV))
+    return JobResults(hora.run(_job_main, args=(None, _job_wrapper_rules), np=2, env=RULES_ENV))
 
 
 def test_step_after_synchronize_warns_with_horovods_text_2ranks(rules2):
@@ -1123,9 +1126,11 @@ def _job_shared_group_names() -> list:
     return [("two_optimizers", two_optimizers)]
 
 
-@pytest.mark.timeout(120)
-def test_two_grouped_optimizers_sharing_names_2ranks():
-    job = run_job(_job_shared_group_names, np=2)
+GROUP_NAMES2 = SharedJob(_job_shared_group_names, np=2)
+
+
+def test_two_grouped_optimizers_sharing_names_2ranks(request):
+    job = GROUP_NAMES2.results(request)
     a, b = job.all("two_optimizers")
     for wa, wb in zip(a["weights"], b["weights"]):
         for x, y in zip(wa, wb):
@@ -1160,9 +1165,11 @@ def _job_process_set_excludes_a_rank() -> list:
     return [("subset", optimizer_on_a_subset)]
 
 
-@pytest.mark.timeout(120)
-def test_optimizer_on_a_process_set_leaves_other_ranks_alone_3ranks():
-    job = run_job(_job_process_set_excludes_a_rank, np=3)
+SUBSET3 = SharedJob(_job_process_set_excludes_a_rank, np=3)  # one 3-rank job for every hora.torch module
+
+
+def test_optimizer_on_a_process_set_leaves_other_ranks_alone_3ranks(request):
+    job = SUBSET3.results(request)
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for s in range(3):

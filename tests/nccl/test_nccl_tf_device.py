@@ -98,6 +98,9 @@ def _job() -> dict:
     sys.path[:0] = [here, os.path.dirname(here)]
     import nccl_emulation
     import sections
+    from job_env import TENSORFLOW_OPTIONAL_IMPORTS, skip_imports
+
+    skip_imports(TENSORFLOW_OPTIONAL_IMPORTS)  # before TensorFlow: a third of its import, never used here
     import tensorflow as tf
 
     import hora.tensorflow as hvd
