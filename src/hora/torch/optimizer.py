@@ -214,7 +214,10 @@ class _DistributedOptimizer(_OptimizerBase):
         self._should_synchronize = True
         self._synchronized = False
         all_params = [p for group in self.param_groups for p in group["params"]]
-        self._names = self._parameter_names(named_parameters, all_params)
+        #: each parameter's own name (the user's, or ``noname.<position>``); its requests are named
+        #: ``allreduce.<name>``, as Horovod names them.
+        self._plain_names = self._parameter_names(named_parameters, all_params)
+        self._names = {p: f"allreduce.{name}" for p, name in self._plain_names.items()}
         self._requires_update = [p for p in all_params if p.requires_grad]
         if isinstance(groups, int) and not self._excluded:
             self._requires_update = self._in_reference_order(self._requires_update)
@@ -258,7 +261,7 @@ class _DistributedOptimizer(_OptimizerBase):
     @staticmethod
     def _parameter_names(named_parameters, all_params: list) -> dict:
         if named_parameters is None:
-            return {p: f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
+            return {p: f"noname.{i}" for i, p in enumerate(all_params)}
         pairs = list(named_parameters)
         if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
             raise ValueError("named_parameters must be a sequence of (name, parameter) pairs, "
@@ -267,7 +270,7 @@ class _DistributedOptimizer(_OptimizerBase):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"parameter names in named_parameters must be unique; repeated: {duplicates}")
-        by_param = {p: f"allreduce.{name}" for name, p in pairs}
+        by_param = {p: name for name, p in pairs}
         unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
         if unnamed:
             raise ValueError(f"named_parameters lacks {len(unnamed)} of the optimizer's parameters "
@@ -647,7 +650,7 @@ class _DistributedPowerSGDOptimizer(_DistributedOptimizer):
             if grad.is_sparse:
                 raise ValueError(f"Compression.powersgd: parameter {self._names[p]!r} has a sparse gradient; "
                                  "pass sparse_as_dense=True to reduce it densely")
-            named.append((self._names[p].removeprefix("allreduce."), grad))  # the parameter's own name
+            named.append((self._plain_names[p], grad))
             if grad is not p.grad:
                 landing.append((p, grad))
         self._powersgd.reduce(named)
@@ -697,8 +700,7 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
         self._zero = ZeroRedundancyOptimizer(self.param_groups, base, process_set=self._process_set,
                                              **self.defaults)
         if carried:  # state the optimizer had before it was wrapped: each rank keeps its shard's
-            index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-            self._zero._load_shard({index[p]: s for p, s in carried.items() if p in index})
+            self._zero.keep_owned_state(carried)
 
     @property
     def state(self) -> Any:

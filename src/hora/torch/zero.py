@@ -14,7 +14,7 @@ padded with zeros to the longest; the allgather back takes blocks of any length 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -343,6 +343,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """This rank's state by parameter position (what every rank's shard adds up to)."""
         state = self.optim.state
         return {self._index[p]: state[p] for p in (self._params[i] for i in self._owned) if p in state}
+
+    def keep_owned_state(self, state: Mapping[torch.Tensor, Any]) -> None:
+        """Take over per-parameter state made elsewhere (an optimizer's ``state`` from before it was
+        sharded): this rank loads the entries of the parameters it owns and drops the rest."""
+        self._load_shard({self._index[p]: s for p, s in state.items() if p in self._index})
 
     def _load_shard(self, by_position: dict[int, Any]) -> None:
         """Load the state of the owned parameters among ``by_position`` into the local optimizer,
