@@ -130,6 +130,23 @@ def test_reset_limit_0_stops_the_job_at_the_first_failure(tmp_path: Path) -> Non
     assert '"event": "done"' not in done.stdout
 
 
+def test_at_the_reset_limit_a_failure_ends_the_job_at_once_even_with_no_host_to_re_form_on(tmp_path: Path) -> None:
+    """The one host fails and is blacklisted for 20 s: with no reset left, nothing is gained by waiting
+    for it (or for --elastic-timeout) before saying the job is over. Seen with hora.ray, whose
+    discovery found no free slot for a while after two failures, and waited out elastic_timeout."""
+    write_atomically(tmp_path / "hosts", "localhost:1\n")
+    started = time.monotonic()
+    done = hora_run("-np", "1", "--min-np", "1", "--host-discovery-script", discovery_command(tmp_path),
+                    "--reset-limit", "0", "--blacklist-cooldown-range", "20", "20", "--elastic-timeout", "60",
+                    "env", "FAULT=raise", f"FAULT_MARK={tmp_path / 'mark'}", *EPOCHS_WORKER, timeout=45)
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    last = _launcher_lines(done.stderr)[-1]
+    assert "elastic job stops" in last and "re-formed 0 time(s), the --reset-limit" in last, done.stderr
+    assert "the last worker failure: rank 0 on localhost exited with status 1" in last, done.stderr
+    assert took < 15, f"the job ended {took:.1f} s after it started: it waited for the blacklisted host"
+
+
 @pytest.fixture(scope="module")
 def fixed_hosts_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, float]:
     """-H localhost:2 --min-np 2 -np 2 and rank 0 fails: nothing can bring localhost back."""

@@ -347,6 +347,8 @@ class ElasticDriver:
                               and time.monotonic() - started_waiting <= self.settings.elastic_timeout)
             needed = self.settings.np if waiting_for_np else self.settings.min_np
             if target != self._plan or self._round is None:
+                if self._round is not None and self._reset_limit_reached(target):
+                    return  # no reset left: waiting for slots (or a blacklisted host) gains nothing
                 if plan_size(target) < needed:
                     self._wait_for_slots(target, needed)
                 else:
@@ -401,14 +403,19 @@ class ElasticDriver:
 
     # ---- rounds ----------------------------------------------------------------------------------
 
+    def _reset_limit_reached(self, target: Plan) -> bool:
+        """Whether re-forming the world once more would pass --reset-limit (the job then ends)."""
+        limit = self.settings.reset_limit
+        if limit is None or self.outcome.resets < limit:
+            return False
+        self._end(f"elastic job stops: the world needs re-forming again (hosts now {describe_plan(target)}) "
+                  f"but it was already re-formed {self.outcome.resets} time(s), the --reset-limit")
+        return True
+
     def _open_round(self, target: Plan) -> None:
         first = self._round is None
         if not first:
-            limit = self.settings.reset_limit
-            if limit is not None and self.outcome.resets >= limit:
-                self._end(f"elastic job stops: the world needs re-forming again (hosts now "
-                          f"{describe_plan(target)}) but it was already re-formed {self.outcome.resets} "
-                          f"time(s), the --reset-limit")
+            if self._reset_limit_reached(target):
                 return
             self.outcome.resets += 1
             # The state sync may be skipped only if every worker of the new world already holds
