@@ -190,7 +190,7 @@ def is_homogeneous() -> bool:
 # ---- what hora is built with: these tell the truth about hora's own transports ----------------
 
 def mpi_built() -> bool:
-    """Whether hora can use MPI here (mpi4py is installed)."""
+    """Whether hora can use MPI here: mpi4py imports and loads its MPI library."""
     return hora_mpi.built()
 
 

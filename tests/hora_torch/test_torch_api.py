@@ -155,11 +155,11 @@ def test_optimizer_methods_exist():
 
 
 def test_build_queries_tell_the_truth_without_init():
-    # MPI is built when mpi4py imports (enabled only in a world formed over it); NCCL reports the
-    # loadable library's version (0 without one); no Gloo, CCL, DDL or ROCm collectives.
-    import importlib.util
+    # MPI is built when mpi4py loads its MPI library (enabled only in a world formed over it); NCCL
+    # reports the loadable library's version (0 without one); no Gloo, CCL, DDL or ROCm collectives.
+    from hora.transport.mpi import unavailable_reason
 
-    assert hvd.mpi_built() is (importlib.util.find_spec("mpi4py") is not None) and hvd.mpi_enabled() is False
+    assert hvd.mpi_built() is (unavailable_reason() is None) and hvd.mpi_enabled() is False
     assert hvd.gloo_built() is False and hvd.gloo_enabled() is False
     assert isinstance(hvd.nccl_built(), int)
     if hvd.nccl_built() == 0:

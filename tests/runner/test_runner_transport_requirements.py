@@ -159,3 +159,29 @@ def test_hora_run_mpi_without_mpi4py_runs_on_hora_transport_when_asked(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     results = sorted(line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line)
     assert results == ["0 2 3.0", "1 2 3.0"], done.stdout + done.stderr
+
+
+# ---- hora.mpi_built() tells the same truth as hora check -------------------------------------------
+
+def _mpi_built(env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", "import hora; print(hora.mpi_built())"], capture_output=True,
+                          text=True, timeout=90, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("body, library", [(NOT_INSTALLED, None), (BROKEN, None),
+                                           ("class _Rc:\n    pass\n\nrc = _Rc()\n", "libmpi.so.40: cannot open")],
+                         ids=["not-installed", "broken", "no-mpi-library"])
+def test_mpi_built_is_false_where_mpi_cannot_be_used(tmp_path, body, library):
+    """Horovod's mpi_built() says whether MPI can be used; a script that checks it before asking for
+    MPI must not be told yes by an mpi4py whose import, or whose MPI library, fails (hora check: no)."""
+    env = _env_without_mpi4py(tmp_path, body)
+    if library is not None:
+        (tmp_path / "shadow" / "mpi4py" / "MPI.py").write_text(f"raise ImportError({library!r})\n")
+    assert _mpi_built(env) == "False"
+
+
+@pytest.mark.skipif(not _mpi4py_loads(), reason="mpi4py (with an MPI library) is not installed here")
+def test_mpi_built_is_true_where_mpi4py_loads():
+    assert _mpi_built(clean_env()) == "True"

@@ -4,14 +4,26 @@ here imports it until a job asks for MPI, so importing hora never initialises an
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
-from hora.transport import mpi_world as state
+from hora.transport import mpi as mpi_transport, mpi_world as state
 
 
 def built() -> bool:
-    """Whether hora can use MPI here: mpi4py is installed (Horovod's ``mpi_built()``: built with MPI)."""
-    return importlib.util.find_spec("mpi4py") is not None
+    """Whether hora can use MPI here (Horovod's ``mpi_built()``: built with MPI): mpi4py imports and
+    loads its MPI library, the same test ``hora check`` and ``hora run --mpi`` make. An mpi4py that
+    is installed but broken, or finds no MPI library, would otherwise say yes to a script that then
+    fails when it asks for MPI. The library is loaded once per process, in a child Python (see
+    :func:`hora.transport.mpi.unavailable_reason`)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return False
+    return _unavailable_reason() is None
+
+
+@functools.lru_cache(maxsize=1)
+def _unavailable_reason() -> str | None:
+    return mpi_transport.unavailable_reason()
 
 
 def enabled() -> bool:
