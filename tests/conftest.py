@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from job_env import is_hora_variable
+from lanes import FOLDER_SECONDS
 
 import hora
 from hora import basics
@@ -106,21 +107,6 @@ SLOW_MODULES = frozenset({
 })
 
 
-#: Each folder's wall time in a serial full run (seconds, 2 cores, 2026-11-27), for the order below.
-#: ``HORA_TEST_WORKERS=N scripts/test`` runs the suite on N pytest-xdist workers with one work unit per
-#: folder (``--dist loadgroup``): a folder's modules share jobs, Spark sessions and Ray clusters, so
-#: they must stay in one process, in their order. Handing the folders out longest first (the classic LPT rule)
-#: keeps one worker from being left with a long folder at the end. A folder missing here (a new one)
-#: goes last; the figures only order the run, so they need not be exact.
-FOLDER_SECONDS = {
-    "spark": 250, "transport": 214, "hora_tensorflow": 204, "hora_tf_keras": 154, "extras_alone": 139,
-    "hora_jax": 117, "elastic": 113, "hora_ray": 110, "examples": 94, "bench": 71, "hora_torch": 61,
-    "mpi": 52, "engine": 48, "hora_mxnet": 42, "runner": 40, "cluster": 35, "deploy": 31, ".": 30,
-    "adasum": 29, "hora_lightning": 25, "rendezvous": 23, "nccl": 7, "runtime": 5, "docs_site": 5,
-    "horovod_errors": 1,
-}
-
-
 def _folder(item: pytest.Item, tests_dir: str) -> str:
     """The top folder under tests/ that ``item`` lives in ("." for the modules directly in tests/)."""
     relative = os.path.relpath(str(item.path), tests_dir)
@@ -134,6 +120,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         relative = os.path.relpath(str(item.path), tests_dir)
         if relative in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(_folder(item, tests_dir)))
-    # Longest folder first (a stable sort: the order inside each folder is kept).
+    # Longest folder first (tests/lanes.py's figures; a stable sort keeps the order inside each folder), so
+    # that a lane ends on its short folders.
     items.sort(key=lambda item: -FOLDER_SECONDS.get(_folder(item, tests_dir), 0))

@@ -176,3 +176,62 @@ def test_hierarchical_allreduce_is_tuned_where_the_world_can_switch_4ranks(tmp_p
     assert set(results[0]["hierarchy"]) == {True, False}  # both ways tried, every result right
     assert {h[1] for h in results[0]["history"]} == {8.0}  # fixed knobs never changed
     assert all(not res["active"] for res in results)
+
+
+RESUME_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    import hora
+    from hora import basics
+    from hora.engine.autotune import TuningParams
+
+    hora.init()
+    r = hora.rank()
+    engine = basics.engine()
+
+    def cache(enabled):  # as the autotuner applies a sample's setting: between two cycles
+        with engine._pacer.cycle_lock:
+            engine._apply_tuning(TuningParams(fusion_threshold_mb=64.0, cycle_time_ms=1.0,
+                                              cache_enabled=enabled, hierarchical_allreduce=False))
+
+    for _ in range(2):  # negotiated by name, then served by the cache
+        hora.allreduce(np.ones(4, np.float32), name="t", op=hora.Sum)
+    cache(False)
+    hora.allreduce(np.ones(1), name="sync.1", op=hora.Sum)
+    if r == 1:  # submitted while the cache is off: it goes to the coordinator by name...
+        handle = hora.allreduce_async(np.full(4, 2.0, np.float32), name="t", op=hora.Sum)
+    # ...and has reached it once this completes (rank 1 sent "t" no later than "sync.2")
+    hora.allreduce(np.ones(1), name="sync.2", op=hora.Sum)
+    cache(True)
+    if r == 0:  # submitted after the cache is back on
+        handle = hora.allreduce_async(np.full(4, 1.0, np.float32), name="t", op=hora.Sum)
+    deadline = time.monotonic() + 20
+    while not hora.poll(handle) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done = hora.poll(handle)
+    out = {"done": done, "value": hora.synchronize(handle).tolist() if done else None}
+    with open(sys.argv[1] + f".{r}", "w") as f:
+        json.dump(out, f)
+    if not done:
+        os._exit(3)  # stuck: leave without the shutdown that would wait for it
+    hora.shutdown()
+""")
+
+
+def test_a_tensor_in_flight_by_name_when_the_cache_comes_back_on_completes_2ranks(tmp_path):
+    """The autotuner switches the response cache off for a trial and on again. A tensor rank 1 sent by
+    name while the cache was off, and rank 0 submitted after it was back on, must meet: rank 0 found the
+    entry kept from before the trial and announced it by cache bit, which rank 1 never would, so both
+    waited (up to the stall inspector's 60 s, which renegotiates a stale cached request; with the
+    inspector off, forever). Seen in benchmarks/autotune_vs_grid.py, 1 run in 4 taking 65 s, not 5."""
+    script, out = tmp_path / "worker.py", tmp_path / "out"
+    script.write_text(RESUME_WORKER)
+    done = subprocess.run(
+        [sys.executable, "-m", "hora", "run", "-np", "2", "--no-stall-check", "--cache-capacity", "64",
+         sys.executable, str(script), str(out)],
+        env=clean_env(), capture_output=True, text=True, timeout=90)
+    files = [tmp_path / f"out.{r}" for r in range(2)]  # a rank stopped by hora run writes none
+    results = [json.loads(f.read_text()) if f.exists() else {"done": "stopped"} for f in files]
+    assert [res["done"] for res in results] == [True, True], done.stdout + done.stderr
+    assert [res["value"] for res in results] == [[3.0] * 4] * 2
+    assert done.returncode == 0, done.stdout + done.stderr

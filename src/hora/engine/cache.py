@@ -31,8 +31,8 @@ class ResponseCache:
         #: One past the highest bit ever handed out. Identical on every member (the caches are), so
         #: the control vector need only carry this many bits.
         self.high_water = 0
-        #: Set by the autotuner while it tries the job without the cache (entries are kept, none is
-        #: added or used; every member sets it at the same cycle).
+        #: Set by the autotuner while it tries the job without the cache: none is added or used, and
+        #: :meth:`suspend` empties it (every member does both at the same cycle).
         self.suspended = False
 
     def __len__(self) -> int:
@@ -99,6 +99,15 @@ class ResponseCache:
             self._entries.pop(entry[0].name, None)
             self._by_bit[bit] = None
             heapq.heappush(self._free, bit)
+
+    def suspend(self, suspended: bool) -> None:
+        """Stop (or resume) using the cache. Suspending empties it, so that it resumes empty: a request a
+        rank sent by name while the cache was off may still be negotiating when it comes back on, and
+        a peer that submits the same name after that must send it by name too. An entry kept from
+        before would make the peer announce it by bit instead, and the two would wait on each other."""
+        if suspended and not self.suspended:
+            self.clear()
+        self.suspended = suspended
 
     def clear(self) -> None:
         self._entries.clear()

@@ -233,7 +233,7 @@ class Engine:
         for state in self._states:
             state.executor.threshold = threshold
             if state.cache.suspended == params.cache_enabled:
-                state.cache.suspended = not params.cache_enabled
+                state.cache.suspend(not params.cache_enabled)
                 if state.cache.suspended:
                     # Requests announced by cache bit go by name from now on, on every rank alike.
                     state.uncached.extend(state.by_bit.values())
