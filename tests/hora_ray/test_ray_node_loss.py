@@ -35,8 +35,11 @@ def cluster(ray_cpu_nodes):
 def _train_until_stopped(ready_dir: str) -> str:
     hora.init()
     node = ray.get_runtime_context().get_node_id()
-    with open(os.path.join(ready_dir, f"rank{hora.rank()}.json"), "w") as f:
+    # Written whole, then renamed: the test reads a file as soon as it sees its name.
+    final = os.path.join(ready_dir, f"rank{hora.rank()}.json")
+    with open(final + ".part", "w") as f:
         json.dump({"rank": hora.rank(), "node": node}, f)
+    os.replace(final + ".part", final)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # a training loop that only a failure ends
         hora.allreduce(np.ones(1024), name="gradient")
