@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from job_env import is_hora_variable
-from lanes import FOLDER_SECONDS
+from lanes import FOLDER_SECONDS, TOP
 
 import hora
 from hora import basics
@@ -111,7 +111,7 @@ def _folder(item: pytest.Item, tests_dir: str) -> str:
     """The top folder under tests/ that ``item`` lives in ("." for the modules directly in tests/)."""
     relative = os.path.relpath(str(item.path), tests_dir)
     head, _, rest = relative.partition(os.sep)
-    return head if rest else "."
+    return head if rest else TOP
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

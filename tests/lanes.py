@@ -55,13 +55,14 @@ def split(names: list[str], count: int) -> list[list[str]]:
             units.append(members)
             placed.update(members)
     units += [[name] for name in names if name not in placed]
-    units.sort(key=lambda unit: -sum(FOLDER_SECONDS.get(name, 0) for name in unit))
+    weighed = sorted(((sum(FOLDER_SECONDS.get(name, 0) for name in unit), unit) for unit in units),
+                     key=lambda pair: -pair[0])
     lanes: list[list[str]] = [[] for _ in range(count)]
     loads = [0] * count
-    for unit in units:
+    for seconds, unit in weighed:
         lightest = loads.index(min(loads))
         lanes[lightest] += unit
-        loads[lightest] += sum(FOLDER_SECONDS.get(name, 0) for name in unit)
+        loads[lightest] += seconds
     return [lane for lane in lanes if lane]
 
 
