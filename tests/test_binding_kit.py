@@ -111,3 +111,80 @@ def test_no_binding_reimplements_a_handle() -> None:
 
 def test_the_handle_lives_in_the_kit_only() -> None:
     assert not (SOURCE / "handles.py").exists(), "hora.handles moved to hora.binding"
+
+
+#: The collectives modules whose ``_async`` forms pair with blocking forms, and the example binding
+#: the architecture walk-through shows (it follows the same rule).
+TRIO_MODULES = {**HANDLE_BINDINGS, "example": "examples/array_binding.py"}
+#: ``_async`` forms Horovod gives no blocking partner (torch's sparse allreduce is only asynchronous).
+NO_BLOCKING_PARTNER = {"sparse_allreduce_async"}
+#: What a blocking form may take beyond its ``_async`` partner: Horovod's differentiable forms compress.
+BLOCKING_ONLY_PARAMETERS = {"compression"}
+
+
+def _trio_functions(module: str) -> dict[str, ast.FunctionDef]:
+    if module.endswith(".py"):
+        path = Path(__file__).resolve().parents[1] / module
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    return _functions(module)
+
+
+def _parameters(function: ast.FunctionDef) -> list[tuple[str, str | None]]:
+    """Each parameter's name and its default's source (None when it has none), in order."""
+    args = function.args
+    positional = args.posonlyargs + args.args
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    pairs = [(a.arg, None if d is None else ast.unparse(d)) for a, d in zip(positional, defaults)]
+    pairs += [(a.arg, None if d is None else ast.unparse(d)) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    return pairs
+
+
+def _blocking_name(async_name: str) -> str:
+    return async_name.replace("_async", "")
+
+
+def _synchronized_calls(function: ast.FunctionDef) -> list[tuple[str, ast.Call]]:
+    """The calls ``synchronize(f(...))`` in a function's body, with the name ``f``."""
+    calls = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "synchronize" \
+                and node.args and isinstance(node.args[0], ast.Call) and isinstance(node.args[0].func, ast.Name):
+            calls.append((node.args[0].func.id, node.args[0]))
+    return calls
+
+
+@pytest.mark.parametrize("binding", sorted(TRIO_MODULES))
+def test_every_async_collective_has_a_blocking_form_taking_the_same_arguments(binding: str) -> None:
+    """The one way a binding makes a collective's forms: the ``_async`` form is the implementation (and
+    ``_async_`` the in-place one); the blocking form of the same name less ``_async`` takes the same
+    arguments, in the same order, with the same defaults, and hands every one of them on when it waits
+    on its partner. They are written out, not generated, so that their signatures and docstrings are
+    static (the API reference, mypy, an editor); this test is what keeps the written-out forms one way."""
+    functions = _trio_functions(TRIO_MODULES[binding])
+    problems = []
+    for name, async_form in sorted(functions.items()):
+        if name.startswith("_") or "_async" not in name or name in NO_BLOCKING_PARTNER:
+            continue
+        blocking = functions.get(_blocking_name(name))
+        if blocking is None:
+            problems.append(f"{name} has no blocking form {_blocking_name(name)}")
+            continue
+        async_params = _parameters(async_form)
+        blocking_params = [p for p in _parameters(blocking) if p[0] not in BLOCKING_ONLY_PARAMETERS]
+        if blocking_params != async_params:
+            problems.append(f"{blocking.name}{blocking_params} does not take {name}'s arguments {async_params}")
+        for callee, call in _synchronized_calls(blocking):
+            if callee.endswith(("_async", "_async_")):
+                if callee != name and _blocking_name(callee) == blocking.name:
+                    problems.append(f"{blocking.name} waits on {callee}, not {name}")
+                if callee == name:
+                    passed = [a.id for a in call.args if isinstance(a, ast.Name)]
+                    passed += [k.value.id for k in call.keywords
+                               if isinstance(k.value, ast.Name) and k.arg == k.value.id]
+                    # A form that compresses hands on the compressed tensors in place of its first argument.
+                    expected = async_params[1:] if len(_parameters(blocking)) > len(async_params) else async_params
+                    dropped = [p for p, _ in expected if p not in passed]
+                    if dropped:
+                        problems.append(f"{blocking.name} does not hand {dropped} on to {name}")
+    assert not problems, f"{TRIO_MODULES[binding]}:\n" + "\n".join(problems)

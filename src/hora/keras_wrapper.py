@@ -38,6 +38,15 @@ Reducer = Callable[[Sequence[Any], Sequence[Any] | None], list[Any]]
 LEGACY_KERAS_VARIABLE = "TF_USE_LEGACY_KERAS"
 
 
+def refuse_sharded_state(shard_optimizer_state: bool) -> None:
+    """hora.tensorflow's and hora.keras's answer to ``shard_optimizer_state=True``, refused on every rank
+    before anything is reduced rather than ignored."""
+    if shard_optimizer_state:
+        raise ValueError("shard_optimizer_state=True is not built for TensorFlow and Keras optimizers: every rank "
+                         "keeps the whole optimizer state here. hora shards optimizer state in hora.torch and "
+                         "hora.jax (docs/memory.md); leave it False")
+
+
 def uses_tf_keras() -> bool:
     """Whether this process runs Keras 2 (the ``tf_keras`` package) instead of Keras 3.
 

@@ -96,7 +96,70 @@ def _job() -> list:
         ("passes2.average.jit", case(sgd, passes=2, average_aggregated_gradients=True)),
         ("passes2.sum.eager", case(adam, jit=False, passes=2, grad_scale=2.0)),
         ("fp16", case(sgd, compression=hvd.Compression.fp16)),
+        ("sharded.adam.jit", case(adam, shard_optimizer_state=True)),
+        ("sharded.sgd.eager", case(sgd, jit=False, shard_optimizer_state=True)),
+        ("sharded.passes2.average.jit", case(adam, passes=2, average_aggregated_gradients=True,
+                                             shard_optimizer_state=True)),
+        ("sharded.passes2.sum.eager", case(sgd, jit=False, passes=2, grad_scale=2.0, shard_optimizer_state=True)),
+        ("sharded.state", lambda: _sharded_state(hvd, optax, params)),
+        ("sharded.mixed_dtypes", lambda: _sharded_mixed_dtypes(hvd, optax)),
     ]
+
+
+def _elements(tree) -> int:
+    import jax
+
+    return sum(int(np.prod(np.shape(leaf))) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _sharded_state(hvd, optax, params) -> dict:
+    """What each rank holds: Adam's state for its own leaves only; a broadcast of it is refused."""
+    import jax
+
+    sharded = hvd.DistributedOptimizer(optax.adam(0.01), shard_optimizer_state=True).init(params)
+    whole = hvd.DistributedOptimizer(optax.adam(0.01)).init(params)
+    sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(params)]
+    try:
+        hvd.broadcast_optimizer_state(sharded, root_rank=0)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return {"owned": list(sharded.leaves), "sizes": sizes, "sharded_elements": _elements(sharded),
+            "whole_elements": _elements(whole), "refusal": refusal}
+
+
+def _sharded_mixed_dtypes(hvd, optax) -> dict:
+    """Leaves of three dtypes, so that the updates travel in one allgather per dtype: sharded and
+    unsharded hora take the same steps, eagerly and under jit."""
+    import jax
+    import jax.numpy as jnp
+
+    r = hvd.rank()
+    params = {"a": jnp.linspace(-1.0, 1.0, 30, dtype=jnp.float32).reshape(5, 6),
+              "b": jnp.linspace(0.5, 2.0, 7, dtype=jnp.float64),
+              "c": jnp.linspace(-2.0, 0.0, 12, dtype=jnp.bfloat16).reshape(3, 4),
+              "d": jnp.linspace(0.0, 3.0, 9, dtype=jnp.float32)}
+
+    def loss(p):
+        return (jnp.sum(jnp.sin(p["a"]) * (r + 1)) + jnp.sum(p["b"] ** 2) * (r + 2)
+                + jnp.sum(p["c"].astype(jnp.float32) ** 3) + jnp.sum(jnp.cos(p["d"])) * (r + 1))
+
+    def run(shard: bool, jit: bool) -> dict:
+        tx = hvd.DistributedOptimizer(optax.adam(0.05), shard_optimizer_state=shard)
+        state, p = tx.init(params), params
+
+        def step(p, state):
+            updates, state = tx.update(jax.grad(loss)(p), state, p)
+            return optax.apply_updates(p, updates), state
+
+        step = jax.jit(step) if jit else step
+        for _ in range(10):
+            p, state = step(p, state)
+        return {k: np.asarray(v.astype(jnp.float64)) for k, v in p.items()}
+
+    runs = {f"{'sharded' if shard else 'whole'}.{'jit' if jit else 'eager'}": run(shard, jit)
+            for shard in (True, False) for jit in (True, False)}
+    return {**runs, "initial": {k: np.asarray(v.astype(jnp.float64)) for k, v in params.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +179,40 @@ def _check(job: JobResults, section: str, rtol: float = 2e-5, atol: float = 2e-6
 
 
 @pytest.mark.parametrize("section", ["sgd.jit", "sgd.eager", "adam.jit", "adam.eager", "sum", "predivide",
-                                     "passes2.average.jit", "passes2.sum.eager"])
+                                     "passes2.average.jit", "passes2.sum.eager", "sharded.adam.jit",
+                                     "sharded.sgd.eager", "sharded.passes2.average.jit",
+                                     "sharded.passes2.sum.eager"])
 def test_two_workers_match_one_worker_on_the_whole_batch_2ranks(ranks2, section):
     _check(ranks2, section)
 
 
 def test_fp16_compression_close_to_one_worker_2ranks(ranks2):
     _check(ranks2, "fp16", rtol=5e-3, atol=5e-4)
+
+
+def test_sharded_state_holds_each_ranks_own_leaves_only_2ranks(ranks2):
+    """ZeRO stage 1: the ranks' shards are disjoint and cover every leaf, and each rank's Adam state is
+    its own leaves' two moments (plus the step count), not the whole model's."""
+    results = [ranks2.get("sharded.state", r) for r in range(ranks2.size)]
+    sizes = results[0]["sizes"]
+    owned = [i for result in results for i in result["owned"]]
+    assert sorted(owned) == list(range(len(sizes))), owned
+    assert all(result["owned"] for result in results), "a rank owns no leaf of a 3-leaf model at 2 ranks"
+    scalars = results[0]["whole_elements"] - 2 * sum(sizes)
+    for result in results:
+        assert result["sharded_elements"] == 2 * sum(sizes[i] for i in result["owned"]) + scalars, result
+        assert result["sharded_elements"] < result["whole_elements"]
+        assert "sharded optimizer state" in result["refusal"], result["refusal"]
+
+
+def test_sharded_state_takes_the_unsharded_steps_over_leaves_of_three_dtypes_2ranks(ranks2):
+    for r in range(ranks2.size):
+        runs = ranks2.get("sharded.mixed_dtypes", r)
+        for mode in ("eager", "jit"):
+            for name, want in runs[f"whole.{mode}"].items():
+                np.testing.assert_allclose(runs[f"sharded.{mode}"][name], want, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"rank {r} {mode} {name}")
+                assert not np.allclose(want, runs["initial"][name]), f"{name} never moved"
 
 
 def test_jax_mnist_example_reaches_95_percent_on_2_workers():

@@ -101,8 +101,11 @@ EXTRA_ALLOWED = {
         # the fused unit's name (Horovod derives it from the TF op names)
         "grouped_allreduce": {"name"},
         "grouped_reducescatter": {"name"},
+        # keyword-only, refused in one line (sharded state is built for hora.torch and hora.jax)
+        "DistributedOptimizer": {"shard_optimizer_state"},
     },
-    "keras": {name: {"process_set"} for name in ("allreduce", "allgather", "broadcast", "reducescatter")},
+    "keras": {**{name: {"process_set"} for name in ("allreduce", "allgather", "broadcast", "reducescatter")},
+              "DistributedOptimizer": {"shard_optimizer_state"}},
 }
 
 BINDINGS = {"tensorflow": (htf, EVERY_BINDING + TENSORFLOW), "keras": (hk, EVERY_BINDING + KERAS)}
@@ -172,6 +175,20 @@ def test_wrappers_need_init_first(uninitialised):
         hk.DistributedOptimizer(keras.optimizers.SGD())
     with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
         hk.DistributedOptimizer(object())
+
+
+def test_sharded_optimizer_state_is_refused_in_one_line_by_every_tensorflow_wrapper(uninitialised):
+    """hora shards optimizer state in hora.torch and hora.jax only: TensorFlow's and Keras's wrappers
+    say so, before anything else, rather than taking the flag and keeping the whole state."""
+    import keras
+    import tensorflow as tf
+
+    for wrap, optimizer in ((hk.DistributedOptimizer, keras.optimizers.Adam()),
+                            (htf.DistributedOptimizer, keras.optimizers.Adam()),
+                            (htf.DistributedOptimizer, tf.compat.v1.train.AdamOptimizer())):
+        with pytest.raises(ValueError, match=r"^shard_optimizer_state=True is not built for TensorFlow and "
+                                             r"Keras optimizers.*hora.torch and hora.jax"):
+            wrap(optimizer, shard_optimizer_state=True)
 
 
 def test_groups_with_num_groups_warns_and_groups_wins_in_every_wrapper(uninitialised):

@@ -14,6 +14,7 @@ from hora import collectives
 from hora.basics import ProcessSet, global_process_set
 from hora.binding import batched
 from hora.jax.arrays import new_like, to_host
+from hora.jax.sharded_state import holds_sharded_state
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSet = global_process_set) -> Any:
@@ -23,6 +24,11 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSe
     there and back, each result lands on its leaf's device); non-array leaves (Python numbers, None
     nodes) are left as they are on each rank (optax states carry none that differ). Outside jit only.
     """
+    if holds_sharded_state(params):  # every rank holds one: each refuses, none waits on a broadcast
+        raise ValueError("hora.jax: this pytree holds a sharded optimizer state (DistributedOptimizer with "
+                         "shard_optimizer_state=True): each rank holds the state of its own shard only, so there is "
+                         "no whole state on the root to send. Broadcast the parameters, then call the optimizer's "
+                         "init on every rank")
     leaves, tree = jax.tree_util.tree_flatten(params)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
     arrays = [to_host(leaves[i]) for i in positions]

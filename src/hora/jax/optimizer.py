@@ -24,7 +24,7 @@ from hora import basics, horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
 from hora.horovod_args import GradientReduction
-from hora.jax import mpi_ops
+from hora.jax import mpi_ops, sharded_state
 from hora.jax.arrays import is_traced
 
 
@@ -48,24 +48,34 @@ def _reducer(reduction: GradientReduction, compression, name: str):
 def DistributedOptimizer(optimizer: optax.GradientTransformation, name: str | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         process_set: ProcessSet = global_process_set) -> optax.GradientTransformationExtraArgs:
+                         process_set: ProcessSet = global_process_set, *,
+                         shard_optimizer_state: bool = False) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its ``update`` sees gradients averaged (or summed, ``op``)
-    across the ranks of ``process_set``; ``compression`` is hora's ``Compression`` (fp16 on the wire)."""
+    across the ranks of ``process_set``; ``compression`` is hora's ``Compression`` (fp16 on the wire).
+
+    ``shard_optimizer_state=True`` (a hora addition, ZeRO stage 1): gradients are reduced as without it,
+    but each rank keeps the wrapped transformation's state for its own shard of the leaves only and
+    steps only those; one allgather per dtype brings every leaf's update to every rank
+    (:mod:`hora.jax.sharded_state`, docs/memory.md). For transformations that treat each leaf on its own.
+    """
     if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
         raise TypeError(f"hora.jax.DistributedOptimizer wraps an optax GradientTransformation, "
                         f"got {type(optimizer).__name__}")
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     passes = horovod_args.backward_passes(backward_passes_per_step)
     compression = horovod_args.check_compression(compression)
-    reduce = _reducer(GradientReduction.create(op, gradient_predivide_factor, process_set), compression,
-                      name if name is not None else "DistributedOptimizer")
-    inner = optax.with_extra_args_support(optimizer)
-
-    if passes == 1:
+    name = name if name is not None else "DistributedOptimizer"
+    reduce = _reducer(GradientReduction.create(op, gradient_predivide_factor, process_set), compression, name)
+    wrapped = optax.with_extra_args_support(optimizer)
+    if shard_optimizer_state:
+        inner = sharded_state.sharded(wrapped, reduce, name, process_set)  # reduces, then steps its shard
+    else:
         def update_now(grads, state, params=None, **extra):
-            return inner.update(reduce(grads), state, params, **extra)
+            return wrapped.update(reduce(grads), state, params, **extra)
 
-        return optax.GradientTransformationExtraArgs(inner.init, update_now)
+        inner = optax.GradientTransformationExtraArgs(wrapped.init, update_now)
+    if passes == 1:
+        return inner
 
     def init(params):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
@@ -77,7 +87,7 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation, name: str | No
 
         def step(_):
             total = jax.tree_util.tree_map(lambda s: s / passes, sums) if average_aggregated_gradients else sums
-            updates, new_inner = inner.update(reduce(total), state.inner, params, **extra)
+            updates, new_inner = inner.update(total, state.inner, params, **extra)
             return updates, AggregationState(new_inner, jax.tree_util.tree_map(jnp.zeros_like, sums),
                                              jnp.zeros((), jnp.int32))
 

@@ -18,7 +18,7 @@ import keras
 from hora import horovod_args
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.compression import Compression
-from hora.keras_wrapper import Reducer, is_distributed, keras_api, uses_tf_keras, wrap
+from hora.keras_wrapper import Reducer, is_distributed, keras_api, refuse_sharded_state, uses_tf_keras, wrap
 
 _tensorflow_reducer: Callable[..., Reducer] | None = None
 if keras.backend.backend() == "tensorflow":
@@ -37,7 +37,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                          num_groups: int = 0, groups: Any = None,
                          process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+                         scale_local_gradients: bool = True, *,
+                         shard_optimizer_state: bool = False) -> keras.optimizers.Optimizer:
     """Wrap a Keras optimizer so that its updates use gradients averaged across all ranks.
 
     The result is an instance of the wrapped optimizer's own class (``isinstance`` checks, saving
@@ -52,8 +53,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     Under ``TF_USE_LEGACY_KERAS=1`` it wraps tf_keras optimizers (``tf_keras.optimizers.*`` and
     ``tf_keras.optimizers.legacy.*``, ``lr=`` included) the way Horovod's Keras 2 wrapper does: see
-    :mod:`hora.tensorflow.keras2`.
+    :mod:`hora.tensorflow.keras2`. ``shard_optimizer_state=True`` is refused: sharded optimizer state
+    is built for hora.torch and hora.jax only.
     """
+    refuse_sharded_state(shard_optimizer_state)
     groups = horovod_args.resolve_groups(num_groups, groups)
     if uses_tf_keras() and not isinstance(optimizer, keras.optimizers.Optimizer):
         return _keras2().wrap(optimizer, False, name, device_dense, device_sparse, compression, sparse_as_dense,

@@ -91,7 +91,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
                          backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
                          num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True):
+                         scale_local_gradients: bool = True, *, shard_optimizer_state: bool = False):
     """Wrap an optimizer so that it applies gradients averaged across all ranks.
 
     A Keras optimizer (``tf.keras.optimizers.*``) gets :func:`hora.keras.DistributedOptimizer`
@@ -100,8 +100,10 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     unreduced; with ``scale_local_gradients`` (the default) it is divided by the process set's size,
     as in Horovod. A ``tf.compat.v1.train`` optimizer with ``backward_passes_per_step`` k > 1 sums
     its gradients locally over k ``compute_gradients`` calls and reduces and applies them on the
-    k-th, in a graph and eagerly (Horovod: graph only).
+    k-th, in a graph and eagerly (Horovod: graph only). ``shard_optimizer_state=True`` is refused:
+    sharded optimizer state is built for hora.torch and hora.jax only.
     """
+    keras_wrapper.refuse_sharded_state(shard_optimizer_state)
     groups = horovod_args.resolve_groups(num_groups, groups)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         return keras_wrapper.wrap(
