@@ -126,24 +126,26 @@ def test_gradient_wrappers_refuse_powersgd_unless_they_hold_state() -> None:
     ("powersgd", Compression.powersgd()), ("powersgd:4", Compression.powersgd(rank=4)),
     ("powersgd:8:100", Compression.powersgd(rank=8, start_iter=100)),
     ("PowerSGD:2:0", Compression.powersgd(rank=2, start_iter=0)),
+    ("topk", Compression.topk()), ("TopK:0.05", Compression.topk(ratio=0.05)), ("topk:1", Compression.topk(ratio=1.0)),
 ])
 def test_compression_text_parses_to_the_compressor_or_powersgd_spec(text: str, expected) -> None:
-    from hora.compression import parse_compression
+    from hora.compression import StatefulCompressionSpec, parse_compression
 
     result = parse_compression(text)
     assert result == expected
-    if not isinstance(expected, type(Compression.powersgd())):
+    if not isinstance(expected, StatefulCompressionSpec):
         assert result is expected  # the namespace's own classes, which every binding compares by identity
 
 
-@pytest.mark.parametrize("text", ["", "fp32", "topk", "fp16:2", "powersgd:0", "powersgd:x", "powersgd:4.5",
+@pytest.mark.parametrize("text", ["", "fp32", "topk:0", "topk:1.5", "topk:nan", "topk:x", "topk:0.1:2", "topk:",
+                                  "fp16:2", "powersgd:0", "powersgd:x", "powersgd:4.5",
                                   "powersgd:4:-1", "powersgd:4:1:2", "powersgd:", "powersgd::5"])
 def test_bad_compression_text_lists_the_accepted_forms(text: str) -> None:
     from hora import config
     from hora.compression import parse_compression
     from hora.errors import ConfigError
 
-    with pytest.raises(ValueError, match=r"none, fp16, bf16 or powersgd\[:RANK\[:START_ITER\]\]"):
+    with pytest.raises(ValueError, match=r"none, fp16, bf16, powersgd\[:RANK\[:START_ITER\]\] or topk\[:RATIO\]"):
         parse_compression(text)
     with pytest.raises(ConfigError) as info:  # read from the environment: the variable is named
         config.get("compression", {"HORA_COMPRESSION": text})

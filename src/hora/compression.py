@@ -9,7 +9,7 @@ is looked up from the tensor's own type when a tensor arrives (that framework is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -121,19 +121,44 @@ class BF16Compressor(_CastCompressor):
         return _cast(tensor, "bfloat16"), dtype
 
 
+class StatefulCompressionSpec:
+    """What ``Compression.powersgd(...)`` and ``Compression.topk(...)`` return: an algorithm's options,
+    not a compressor.
+
+    These algorithms keep per-parameter state between steps (each rank's residual for error feedback,
+    and PowerSGD's shared factors), which a stateless ``compress``/``decompress`` pair cannot hold, so
+    the spec only describes the algorithm; the optimizer that owns the state (a reducer inside
+    ``hora.torch.DistributedOptimizer``) runs it. The spec still has ``compress``/``decompress``,
+    which refuse: every binding's plain collective calls ``compression.compress(tensor)`` before it
+    submits anything, so that one method is where every collective in every framework refuses it,
+    with the same message, before a byte is sent.
+    """
+
+    #: The state the algorithm keeps between steps, as its refusal names it.
+    state_kept: ClassVar[str]
+
+    def refusal(self, where: str) -> str:
+        """The one-line reason ``where`` (a plain collective, another binding's optimizer) cannot run it."""
+        return (f"{self!r} cannot run in {where}: it keeps per-parameter state between steps "
+                f"({self.state_kept}), which only an optimizer holds; pass it to "
+                "hora.torch.DistributedOptimizer(..., compression=...)")
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        raise UnsupportedOperationError(self.refusal("a plain collective (allreduce, grouped_allreduce, ...)"))
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        raise UnsupportedOperationError(self.refusal("a plain collective (allreduce, grouped_allreduce, ...)"))
+
+
 @dataclass(frozen=True)
-class PowerSGDSpec:
+class PowerSGDSpec(StatefulCompressionSpec):
     """What ``Compression.powersgd(...)`` returns: the options of PowerSGD (Vogels et al., 2019), not
     a compressor.
 
     PowerSGD replaces each matrix-shaped gradient by a low-rank approximation computed jointly by all
     ranks, and keeps per-parameter state between steps (each rank's residual for error feedback, and
-    the shared factor Q it warm-starts from). A stateless ``compress``/``decompress`` pair cannot hold
-    that state, so this object only describes the algorithm; the optimizer that owns the state
-    (``hora.torch.powersgd.PowerSGDReducer`` inside ``hora.torch.DistributedOptimizer``) runs it.
-    It still has ``compress``/``decompress``, which refuse: every binding's plain collective calls
-    ``compression.compress(tensor)`` before it submits anything, so that one method is where every
-    collective in every framework refuses it, with the same message, before a byte is sent.
+    the shared factor Q it warm-starts from); ``hora.torch.powersgd.PowerSGDReducer`` inside
+    ``hora.torch.DistributedOptimizer`` runs it.
 
     Frozen (and so hashable and comparable): two optimizers built from equal specs run the same algorithm,
     and a spec can be a dict key or a default argument.
@@ -174,17 +199,45 @@ class PowerSGDSpec:
     def __repr__(self) -> str:
         return f"Compression.powersgd(rank={self.rank}, start_iter={self.start_iter})"
 
-    def refusal(self, where: str) -> str:
-        """The one-line reason ``where`` (a plain collective, another binding's optimizer) cannot run it."""
-        return (f"{self!r} cannot run in {where}: PowerSGD keeps per-parameter state between steps "
-                "(error feedback, the warm-start factor), which only an optimizer holds; pass it to "
-                "hora.torch.DistributedOptimizer(..., compression=...)")
+    state_kept: ClassVar[str] = "error feedback, the warm-start factor"
 
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        raise UnsupportedOperationError(self.refusal("a plain collective (allreduce, grouped_allreduce, ...)"))
 
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        raise UnsupportedOperationError(self.refusal("a plain collective (allreduce, grouped_allreduce, ...)"))
+@dataclass(frozen=True)
+class TopKSpec(StatefulCompressionSpec):
+    """What ``Compression.topk(...)`` returns: top-k sparsification with error feedback.
+
+    Each rank sends, for each gradient, only its ``ratio`` share of elements largest in magnitude
+    (values and their positions, gathered by one grouped allgather), and keeps what it did not send
+    in a residual added to its next step's gradient (Stich et al., 2018; Lin et al., 2018), so over
+    many steps every element's contribution arrives. Every rank then writes the same average of the
+    sparse contributions into its gradient. A gradient too small to gain under
+    ``min_compression_rate`` goes through one plain allreduce instead.
+    """
+
+    #: The share of each gradient's elements a rank sends: k = ceil(ratio * numel), at least 1.
+    ratio: float = 0.01
+    #: Carry each rank's residual (what it did not send) into its next step's gradient.
+    use_error_feedback: bool = True
+    #: A gradient is sparsified only when k * (element + 8-byte index) * min_compression_rate is
+    #: below its dense bytes; otherwise the dense allreduce costs less.
+    min_compression_rate: float = 2.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise ValueError(f"Compression.topk: ratio must be a number in (0, 1], got {self.ratio!r}")
+        if not float(self.min_compression_rate) >= 0:
+            raise ValueError(f"Compression.topk: min_compression_rate must be at least 0, "
+                             f"got {self.min_compression_rate!r}")
+
+    def __repr__(self) -> str:
+        return f"Compression.topk(ratio={self.ratio})"
+
+    state_kept: ClassVar[str] = "each rank's error-feedback residual"
+
+
+def topk(ratio: float = 0.01, use_error_feedback: bool = True, min_compression_rate: float = 2.0) -> TopKSpec:
+    """Top-k sparsification's options (see :class:`TopKSpec`); its state lives in the optimizer."""
+    return TopKSpec(ratio, use_error_feedback, min_compression_rate)
 
 
 def powersgd(rank: int = 4, start_iter: int = 1000, min_compression_rate: float = 2.0,
@@ -201,10 +254,13 @@ def parse_compression(text: str) -> Any:
 
     ``none``, ``fp16`` and ``bf16`` give :class:`NoneCompressor`, :class:`FP16Compressor` and
     :class:`BF16Compressor`; ``powersgd[:RANK[:START_ITER]]`` gives ``powersgd(rank=RANK,
-    start_iter=START_ITER)`` (the defaults for what is left out). The grammar is the knob's, in
-    :mod:`hora.config`; anything else is a ValueError that lists the accepted forms.
+    start_iter=START_ITER)`` and ``topk[:RATIO]`` gives ``topk(ratio=RATIO)`` (the defaults for what
+    is left out). The grammar is the knob's, in :mod:`hora.config`; anything else is a ValueError
+    that lists the accepted forms.
     """
     name, *numbers = config.knob("compression").parse(text).split(":")
+    if name == "topk":
+        return topk(ratio=float(numbers[0])) if numbers else topk()
     if name == "powersgd":
         values = [int(number) for number in numbers]
         defaults = PowerSGDSpec()
@@ -215,9 +271,10 @@ def parse_compression(text: str) -> Any:
 
 class Compression:
     """The compressors a collective, DistributedGradientTape or DistributedOptimizer accepts, and the
-    spec of PowerSGD, which only hora.torch.DistributedOptimizer accepts."""
+    specs of PowerSGD and top-k, which only hora.torch.DistributedOptimizer accepts."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
     powersgd = staticmethod(powersgd)
+    topk = staticmethod(topk)

@@ -61,7 +61,8 @@ def _parse_log_level(text: str) -> str:
     return level
 
 
-_COMPRESSION_FORMS = "none, fp16, bf16 or powersgd[:RANK[:START_ITER]] (e.g. powersgd:4 or powersgd:4:100)"
+_COMPRESSION_FORMS = ("none, fp16, bf16, powersgd[:RANK[:START_ITER]] or topk[:RATIO] (e.g. powersgd:4, "
+                      "powersgd:4:100 or topk:0.01)")
 
 
 def _parse_compression(text: str) -> str:
@@ -76,8 +77,17 @@ def _parse_compression(text: str) -> str:
         values = [int(number) for number in numbers]
         if not values or values[0] >= 1:
             return ":".join([name, *(str(value) for value in values)])
-    raise ValueError(f"expected {_COMPRESSION_FORMS}, with RANK at least 1 and START_ITER at least 0; "
-                     f"got {text!r}")
+    if name == "topk" and len(numbers) <= 1:
+        try:
+            ratio = float(numbers[0]) if numbers else None
+        except ValueError:
+            ratio = -1.0
+        if ratio is None:
+            return name
+        if 0 < ratio <= 1:
+            return f"{name}:{ratio!r}"
+    raise ValueError(f"expected {_COMPRESSION_FORMS}, with RANK at least 1, START_ITER at least 0 and RATIO in "
+                     f"(0, 1]; got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,8 @@ KNOBS: tuple[Knob, ...] = (
          "(and at most the fusion threshold); 0: one reduction per tensor.", horovod_alias=False),
     Knob("compression", None, _parse_compression,
          "Compression of the gradient wrappers (DistributedOptimizer, DistributedGradientTape) built without a "
-         "compression argument: none, fp16, bf16 or powersgd[:RANK[:START_ITER]] (set by hora run --compression).",
+         "compression argument: none, fp16, bf16, powersgd[:RANK[:START_ITER]] or topk[:RATIO] (set by hora run "
+         "--compression).",
          horovod_alias=False),
     Knob("cache_capacity", 1024, _parse_nonneg_int, "Response cache entries; 0 disables the cache."),
     Knob("timeline", None, _parse_str, "Path of the Chrome-trace timeline written by rank 0, or DYNAMIC."),

@@ -19,7 +19,15 @@ from typing import Any, TypeVar
 
 from hora import config
 from hora.basics import ProcessSet
-from hora.compression import BF16Compressor, FP16Compressor, NoneCompressor, PowerSGDSpec, parse_compression, powersgd
+from hora.compression import (
+    BF16Compressor,
+    FP16Compressor,
+    NoneCompressor,
+    StatefulCompressionSpec,
+    parse_compression,
+    powersgd,
+    topk,
+)
 from hora.errors import UnsupportedOperationError
 from hora.transport.base import ReduceOp
 
@@ -244,10 +252,10 @@ def check_compression(compression: Any, *, stateful: bool = False,
     ``compression`` argument wins over the variable. (An explicit ``compression=Compression.none``
     cannot be told from the default, so the variable applies to it too.)
 
-    ``Compression.powersgd(...)`` keeps state between steps, so only a wrapper that holds that state
-    passes ``stateful=True``; every other one refuses it here, when it is built, with the reason
-    (the same one a plain collective gives, from the spec itself, naming HORA_COMPRESSION when the
-    choice came from there).
+    ``Compression.powersgd(...)`` and ``Compression.topk(...)`` keep state between steps, so only a
+    wrapper that holds that state passes ``stateful=True``; every other one refuses it here, when it
+    is built, with the reason (the same one a plain collective gives, from the spec itself, naming
+    HORA_COMPRESSION when the choice came from there).
     """
     chosen_by = None
     if compression is NoneCompressor:
@@ -257,7 +265,9 @@ def check_compression(compression: Any, *, stateful: bool = False,
             chosen_by = f"{config.knob('compression').env}={choice}"
     if compression is powersgd:
         raise TypeError("compression=Compression.powersgd must be called: Compression.powersgd(rank=4, ...)")
-    if isinstance(compression, PowerSGDSpec) and not stateful:
+    if compression is topk:
+        raise TypeError("compression=Compression.topk must be called: Compression.topk(ratio=0.01, ...)")
+    if isinstance(compression, StatefulCompressionSpec) and not stateful:
         reason = compression.refusal("this gradient wrapper")
         if chosen_by is not None:
             reason += (f"; it was chosen by {chosen_by} (hora run --compression), for a wrapper left at "

@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from compression_helpers import RESNET18_PARAMETERS, OneRank, resnet18_shapes, resumed_difference  # noqa: E402
 from sections import JobResults, SharedJob  # noqa: E402
 
 from hora.compression import Compression  # noqa: E402
@@ -34,44 +35,8 @@ from hora.torch.powersgd import (  # noqa: E402
 pytestmark = pytest.mark.timeout(300)  # the first test runs every module's share of the job
 
 
-class OneRank:
-    """The communicator of a world of one: averaging is the identity. Records what was sent."""
-
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
-        self.rank, self.size = rank, size
-        self.calls: list[tuple[str, int]] = []
-
-    def world(self) -> tuple[int, int]:
-        return self.rank, self.size
-
-    def start_average(self, tensors, name):
-        self.calls.append((name, sum(t.numel() for t in tensors)))
-        return lambda: None
-
-
 def reducer(comm=None, **options) -> PowerSGDReducer:
     return PowerSGDReducer(Compression.powersgd(**options), communicator=comm or OneRank())
-
-
-def resnet18_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    """torchvision's resnet18() parameters (names and shapes), without torchvision."""
-    shapes = [("conv1.weight", (64, 3, 7, 7)), ("bn1.weight", (64,)), ("bn1.bias", (64,))]
-    cin = 64
-    for layer, cout in enumerate((64, 128, 256, 512), start=1):
-        for block in range(2):
-            p = f"layer{layer}.{block}"
-            shapes += [(f"{p}.conv1.weight", (cout, cin if block == 0 else cout, 3, 3)),
-                       (f"{p}.bn1.weight", (cout,)), (f"{p}.bn1.bias", (cout,)),
-                       (f"{p}.conv2.weight", (cout, cout, 3, 3)), (f"{p}.bn2.weight", (cout,)),
-                       (f"{p}.bn2.bias", (cout,))]
-            if block == 0 and cin != cout:
-                shapes += [(f"{p}.downsample.0.weight", (cout, cin, 1, 1)), (f"{p}.downsample.1.weight", (cout,)),
-                           (f"{p}.downsample.1.bias", (cout,))]
-        cin = cout
-    return shapes + [("fc.weight", (1000, 512)), ("fc.bias", (1000,))]
-
-
-RESNET18_PARAMETERS = 11_689_512  # torchvision.models.resnet18(): sum of p.numel()
 
 
 # ---- without processes --------------------------------------------------------------------------
@@ -393,12 +358,6 @@ def _job() -> list:
     def optimizer_checkpoint_resume():
         # state_dict() carries the reducer (residuals, Q, step): a run stopped after 3 steps and resumed
         # from its checkpoint (each rank its own) ends with the weights of the uninterrupted run
-        def train(model, opt, steps):
-            for step in steps:
-                opt.zero_grad()
-                _psgd_loss(model, step, r).backward()
-                opt.step()
-
         def make():
             model = _psgd_model()
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -406,20 +365,7 @@ def _job() -> list:
                                            compression=hvd.Compression.powersgd(rank=1, start_iter=1))
             return model, opt
 
-        whole_model, whole_opt = make()
-        train(whole_model, whole_opt, range(6))
-        model, opt = make()
-        train(model, opt, range(3))
-        buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
-        buffer.seek(0)
-        saved = torch.load(buffer, weights_only=True)
-        resumed_model, resumed_opt = make()
-        resumed_model.load_state_dict(saved["model"])
-        resumed_opt.load_state_dict(saved["opt"])
-        train(resumed_model, resumed_opt, range(3, 6))
-        return {"difference": max((a - b).abs().max().item()
-                                  for a, b in zip(whole_model.parameters(), resumed_model.parameters()))}
+        return {"difference": resumed_difference(make, lambda model, step: _psgd_loss(model, step, r))}
 
     def optimizer_passes_and_refusals():
         model = _psgd_model()

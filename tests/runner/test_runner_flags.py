@@ -114,16 +114,18 @@ def test_flags_already_true_of_hora_are_accepted(flags):
 
 
 @pytest.mark.parametrize("value, expected", [("fp16", "fp16"), ("PowerSGD:4", "powersgd:4"),
-                                             ("powersgd:8:100", "powersgd:8:100"), ("none", "none")])
+                                             ("powersgd:8:100", "powersgd:8:100"), ("none", "none"),
+                                             ("TopK", "topk"), ("topk:0.01", "topk:0.01"), ("topk:1", "topk:1.0")])
 def test_compression_flag_sets_hora_compression_only(value, expected):
     env = knob_environment(parse_run_args(["-np", "2", "--compression", value, "python", "x.py"]))
     assert env == {"HORA_COMPRESSION": expected}  # hora's own knob: Horovod has no such variable
     assert "HORA_COMPRESSION" not in knob_environment(parse_run_args(["-np", "2", "python", "x.py"]))
 
 
-def test_bad_compression_flag_stops_with_one_line_listing_the_forms(capsys):
-    line = _one_error_line(capsys, ["-np", "1", "--compression", "powersgd:0"])
-    assert "--compression" in line and "none, fp16, bf16 or powersgd[:RANK[:START_ITER]]" in line
+@pytest.mark.parametrize("value", ["powersgd:0", "topk:0", "topk:1.5", "topk:x", "topk:0.1:2"])
+def test_bad_compression_flag_stops_with_one_line_listing_the_forms(capsys, value):
+    line = _one_error_line(capsys, ["-np", "1", "--compression", value])
+    assert "--compression" in line and "none, fp16, bf16, powersgd[:RANK[:START_ITER]] or topk[:RATIO]" in line
 
 
 def test_compression_flag_is_documented_in_hora_run_help():

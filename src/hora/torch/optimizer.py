@@ -37,12 +37,14 @@ import torch
 from hora import basics, collectives, horovod_args
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.binding import gradient_buckets
-from hora.compression import PowerSGDSpec
+from hora.compression import PowerSGDSpec, StatefulCompressionSpec, TopKSpec
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
 from hora.torch import mpi_ops
 from hora.torch.compression import Compression
 from hora.torch.powersgd import PowerSGDReducer
+from hora.torch.step_reducer import StepReducer
+from hora.torch.topk import TopKReducer
 from hora.torch.zero import ZeroRedundancyOptimizer
 
 
@@ -612,21 +614,22 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
         return loss
 
 
-class _DistributedPowerSGDOptimizer(_DistributedOptimizer):
-    """Mixed in instead of :class:`_DistributedOptimizer` for ``compression=Compression.powersgd(...)``.
+class _DistributedStatefulOptimizer(_DistributedOptimizer):
+    """Mixed in instead of :class:`_DistributedOptimizer` for a compression that keeps state between
+    steps: ``Compression.powersgd(...)`` or ``Compression.topk(...)``.
 
-    PowerSGD compresses every matrix of a step against the same shared factors, so the step's
-    gradients are reduced together, at ``synchronize()``, by one :class:`PowerSGDReducer` (one
-    grouped allreduce for the plain part, one for the P factors, one for the Q factors) instead of
-    bucket by bucket during the backward pass: on the slow links where PowerSGD pays, the bytes saved
-    outweigh the overlap lost. The hooks only count ``backward_passes_per_step``. The reducer's state
-    (each rank's residuals, the shared Q factors, the step count) is part of ``state_dict()`` under
-    ``"hora_powersgd"``, so a checkpoint resumes the same trajectory, and an elastic restore in a
-    world of another size keeps Q and the step and drops the residuals (see
-    :func:`hora.torch.powersgd.state_for_new_world`).
+    PowerSGD compresses every matrix of a step against the same shared factors, and top-k gathers
+    every gradient's selection in one allgather, so the step's gradients are reduced together, at
+    ``synchronize()``, by one reducer (:class:`PowerSGDReducer` or :class:`TopKReducer`) instead of
+    bucket by bucket during the backward pass: on the slow links where compression pays, the bytes
+    saved outweigh the overlap lost. The hooks only count ``backward_passes_per_step``. The reducer's
+    state (each rank's residuals; PowerSGD's shared Q factors; the step count) is part of
+    ``state_dict()`` under the reducer's ``STATE_KEY`` (``"hora_powersgd"``, ``"hora_topk"``), so a
+    checkpoint resumes the same trajectory, and an elastic restore in a world of another size keeps
+    what is shared and drops the residuals (see :func:`hora.torch.powersgd.state_for_new_world`).
     """
 
-    _powersgd: PowerSGDReducer
+    _step_reducer: StepReducer
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         ident = id(p)
@@ -640,7 +643,7 @@ class _DistributedPowerSGDOptimizer(_DistributedOptimizer):
         self._delay[ident] = left - 1
 
     def synchronize(self) -> None:
-        """Average this step's gradients with PowerSGD (every rank the same names, missing ones as zeros)."""
+        """Average this step's gradients with the reducer (every rank the same names, missing ones as zeros)."""
         if self._excluded:
             self._synchronized = True
             return
@@ -648,12 +651,12 @@ class _DistributedPowerSGDOptimizer(_DistributedOptimizer):
         for p in self._requires_update:
             grad = self._dense_grad(p)
             if grad.is_sparse:
-                raise ValueError(f"Compression.powersgd: parameter {self._names[p]!r} has a sparse gradient; "
-                                 "pass sparse_as_dense=True to reduce it densely")
+                raise ValueError(f"{self._step_reducer.spec!r}: parameter {self._names[p]!r} has a sparse "
+                                 "gradient; pass sparse_as_dense=True to reduce it densely")
             named.append((self._plain_names[p], grad))
             if grad is not p.grad:
                 landing.append((p, grad))
-        self._powersgd.reduce(named)
+        self._step_reducer.reduce(named)
         for p, grad in landing:  # sparse_as_dense: back to the sparse form the optimizer expects
             self._land(p, grad)
         self._new_step()
@@ -661,15 +664,15 @@ class _DistributedPowerSGDOptimizer(_DistributedOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["hora_powersgd"] = self._powersgd.state_dict()
+        state[self._step_reducer.STATE_KEY] = self._step_reducer.state_dict()
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
-        powersgd = state_dict.pop("hora_powersgd", None)
+        reducer_state = state_dict.pop(self._step_reducer.STATE_KEY, None)
         super().load_state_dict(state_dict)
-        if powersgd is not None:
-            self._powersgd.load_state_dict(powersgd)
+        if reducer_state is not None:
+            self._step_reducer.load_state_dict(reducer_state)
 
 
 class _ShardedStep(_OptimizerBase):
@@ -738,25 +741,29 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
                          "to the optimizer before wrapping it")
 
 
-def _check_sharding_arguments(reduction: GradientReduction, powersgd: Any) -> None:
+def _check_sharding_arguments(reduction: GradientReduction, stateful: StatefulCompressionSpec | None) -> None:
     if reduction.op == Adasum:
         raise ValueError("shard_optimizer_state=True does not take op=Adasum: Adasum combines every rank's "
                          "local step of every parameter, which needs every parameter's state on every rank")
-    if powersgd is not None:
-        raise ValueError("shard_optimizer_state=True does not take Compression.powersgd yet: use "
+    if stateful is not None:
+        raise ValueError(f"shard_optimizer_state=True does not take {_spec_name(stateful)} yet: use "
                          "Compression.none, fp16 or bf16, or leave the state unsharded")
 
 
-def _check_powersgd_arguments(reduction: GradientReduction, groups: Any) -> None:
-    """What PowerSGD cannot do, refused when the optimizer is built rather than silently ignored."""
+def _spec_name(spec: StatefulCompressionSpec) -> str:
+    return "Compression.powersgd" if isinstance(spec, PowerSGDSpec) else "Compression.topk"
+
+
+def _check_stateful_arguments(spec: StatefulCompressionSpec, reduction: GradientReduction, groups: Any) -> None:
+    """What PowerSGD and top-k cannot do, refused when the optimizer is built rather than silently ignored."""
+    name = _spec_name(spec)
     if reduction.op != Average:
-        raise ValueError("Compression.powersgd averages the gradients: it takes op=Average (the default), "
+        raise ValueError(f"{name} averages the gradients: it takes op=Average (the default), "
                          f"not {reduction.op.name}")
     if reduction.prescale_factor != 1.0 or reduction.postscale_factor != 1.0:
-        raise ValueError("Compression.powersgd computes its factors in float32 and needs no "
-                         "gradient_predivide_factor: leave it at 1.0")
+        raise ValueError(f"{name} computes in float32 and needs no gradient_predivide_factor: leave it at 1.0")
     if groups is not None:
-        raise ValueError("Compression.powersgd reduces all of a step's gradients together: num_groups and "
+        raise ValueError(f"{name} reduces all of a step's gradients together: num_groups and "
                          "groups do not apply to it; leave them unset")
 
 
@@ -788,19 +795,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     passes = horovod_args.backward_passes(backward_passes_per_step)
     reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
     compression = horovod_args.check_compression(compression, stateful=True)
-    powersgd = compression if isinstance(compression, PowerSGDSpec) else None
+    stateful = compression if isinstance(compression, StatefulCompressionSpec) else None
     if shard_optimizer_state:
-        _check_sharding_arguments(reduction, powersgd)
-    if powersgd is not None:
-        _check_powersgd_arguments(reduction, groups)
+        _check_sharding_arguments(reduction, stateful)
+    if stateful is not None:
+        _check_stateful_arguments(stateful, reduction, groups)
         compression = Compression.none  # the reducer compresses; nothing else does
     basics.engine()  # fail early, with the init() message, when hora is not initialised
     base = optimizer.__class__
     mixin: type[_DistributedOptimizer] = _DistributedOptimizer
     if reduction.op == Adasum:  # Horovod's Adasum optimizer: the deltas of a local step are reduced
         mixin = _DistributedAdasumOptimizer
-    elif powersgd is not None:
-        mixin = _DistributedPowerSGDOptimizer
+    elif stateful is not None:
+        mixin = _DistributedStatefulOptimizer
     elif shard_optimizer_state:
         mixin = _ShardedDistributedOptimizer
     cls: type[object] = type(base.__name__, (mixin, base),
@@ -817,8 +824,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     if shard_optimizer_state:
         wrapped._hora_shard(base, carried)
         whole_state.clear()  # shared with the optimizer passed in: only this rank's shard stays referenced
-    if powersgd is not None:
+    if stateful is not None:
         first = wrapped._names[wrapped._requires_update[0]] if wrapped._requires_update else "no_parameters"
         # Named after the first parameter, as grouped reductions are: the same on every rank.
-        wrapped._powersgd = PowerSGDReducer(powersgd, process_set, name=f"{first}.powersgd")
+        if isinstance(stateful, PowerSGDSpec):
+            wrapped._step_reducer = PowerSGDReducer(stateful, process_set, name=f"{first}.powersgd")
+        elif isinstance(stateful, TopKSpec):
+            wrapped._step_reducer = TopKReducer(stateful, process_set, name=f"{first}.topk")
+        else:
+            raise TypeError(f"hora.torch.DistributedOptimizer has no reducer for {stateful!r}")
     return wrapped

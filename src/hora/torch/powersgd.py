@@ -16,51 +16,21 @@ The options are :class:`hora.compression.PowerSGDSpec`'s, which mirror DDP's ``P
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from hora.basics import Average, ProcessSet, global_process_set
+from hora.basics import ProcessSet, global_process_set
 from hora.compression import PowerSGDSpec
-from hora.torch import mpi_ops
+from hora.torch.step_reducer import Communicator, ProcessSetCommunicator, StepReducer
 
 __all__ = ["Communicator", "PowerSGDReducer", "ProcessSetCommunicator", "SentElements", "compressed_shape",
            "initial_q", "orthogonalize_", "state_for_new_world"]
 
 #: The version of :meth:`PowerSGDReducer.state_dict`'s layout, so that a later layout can read this one.
 STATE_VERSION = 1
-
-
-class Communicator(Protocol):
-    """What the reducer needs from the process set: its place in it, and an in-place average.
-
-    A seam, not a plugin point: the tests drive the algorithm on one process through it, and the
-    optimizer may give its own (its process set, its names) without the reducer knowing hora's API.
-    """
-
-    def world(self) -> tuple[int, int]:
-        """This process's (rank, size) in the set the average runs over."""
-        ...
-
-    def start_average(self, tensors: list[torch.Tensor], name: str) -> Callable[[], None]:
-        """Start averaging ``tensors`` in place across the set as one group; the result waits for it."""
-        ...
-
-
-class ProcessSetCommunicator:
-    """Averages with hora's grouped allreduce over ``process_set``: one negotiated, fused unit."""
-
-    def __init__(self, process_set: ProcessSet = global_process_set) -> None:
-        self.process_set = process_set
-
-    def world(self) -> tuple[int, int]:
-        return self.process_set.rank(), self.process_set.size()
-
-    def start_average(self, tensors: list[torch.Tensor], name: str) -> Callable[[], None]:
-        handle = mpi_ops.grouped_allreduce_async_(tensors, name=name, op=Average, process_set=self.process_set)
-        return lambda: mpi_ops.synchronize(handle)
 
 
 @dataclass(frozen=True)
@@ -169,74 +139,38 @@ class _Compressed:
     copied: bool
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(StepReducer):
     """Averages one step's gradients across a process set in place, compressing the matrices.
 
     State (see :meth:`state_dict`): the number of steps reduced, and per gradient name the shared
     factor Q (``warm_start``) and this rank's residual (``use_error_feedback``). Float16 and bfloat16
     gradients are computed and sent in float32 (the residual of a half-precision gradient would
-    lose the very bits error feedback keeps).
+    lose the very bits error feedback keeps). Compression runs from step ``spec.start_iter`` on.
     """
+
+    STATE_KEY = "hora_powersgd"
+    spec: PowerSGDSpec
+    last_sent: SentElements | None
 
     def __init__(self, spec: PowerSGDSpec, process_set: ProcessSet = global_process_set, *,
                  name: str = "powersgd", communicator: Communicator | None = None) -> None:
         if not isinstance(spec, PowerSGDSpec):
             raise TypeError(f"PowerSGDReducer takes Compression.powersgd(...), got {spec!r}")
-        self.spec = spec
-        self.name = name
-        self._comm: Communicator = communicator if communicator is not None else ProcessSetCommunicator(process_set)
-        self._step = 0
+        super().__init__(spec, name, communicator if communicator is not None else ProcessSetCommunicator(process_set))
         self._q: dict[str, torch.Tensor] = {}
-        self._error: dict[str, torch.Tensor] = {}
-        self._world: tuple[int, int] | None = None  # the world the residuals were made in
-        self.last_sent: SentElements | None = None
-
-    @property
-    def step(self) -> int:
-        """Steps reduced so far: compression runs from step ``spec.start_iter`` on."""
-        return self._step
 
     def plan(self, named_shapes: Sequence[tuple[str, Sequence[int]]]) -> dict[str, tuple[int, int, int] | None]:
         """Each name's (n, m, r) when it would be compressed in a step past ``start_iter``, else None."""
         spec = self.spec
         return {name: compressed_shape(shape, spec.rank, spec.min_compression_rate) for name, shape in named_shapes}
 
-    def reduce(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> SentElements:
-        """Average ``named_grads`` (this step's dense gradients, by parameter name) in place.
-
-        Call it once per optimizer step, with the same names and shapes on every rank of the set
-        (their order does not matter: they are sorted by name). Blocking: it returns when every
-        gradient holds its result, the same on every rank.
-        """
-        entries = sorted(named_grads, key=lambda e: e[0])
-        self._check(entries)
-        world = self._comm.world()
-        if self._world is not None and world != self._world:
-            self._error.clear()  # the world changed under this object: see state_for_new_world
-        self._world = world
-        spec = self.spec
-        with torch.no_grad():
-            if self._step < spec.start_iter:
-                grads = [g for _, g in entries]
-                if grads:
-                    self._comm.start_average(grads, f"{self.name}.warmup")()
-                sent = _count(grads, [], [], grads)
-            else:
-                sent = self._compressed_step(entries)
-        self._step += 1
-        self.last_sent = sent
-        return sent
-
-    def _check(self, entries: list[tuple[str, torch.Tensor]]) -> None:
-        names = [n for n, _ in entries]
-        if len(set(names)) != len(names):
-            raise ValueError("PowerSGDReducer.reduce: a gradient name appears twice; each parameter needs its own name")
-        for name, grad in entries:
-            if grad.layout != torch.strided:
-                raise ValueError(f"PowerSGDReducer.reduce: gradient {name!r} is sparse; reduce sparse gradients "
-                                 "without PowerSGD (or use sparse_as_dense=True)")
-            if not grad.is_floating_point():
-                raise ValueError(f"PowerSGDReducer.reduce: gradient {name!r} has dtype {grad.dtype}, not a float")
+    def _reduce(self, entries: list[tuple[str, torch.Tensor]], world: tuple[int, int]) -> SentElements:
+        if self._step < self.spec.start_iter:
+            grads = [g for _, g in entries]
+            if grads:
+                self._comm.start_average(grads, f"{self.name}.warmup")()
+            return _count(grads, [], [], grads)
+        return self._compressed_step(entries)
 
     def _compressed_step(self, entries: list[tuple[str, torch.Tensor]]) -> SentElements:
         spec = self.spec
@@ -318,14 +252,13 @@ class PowerSGDReducer:
         version = state.get("version")
         if version != STATE_VERSION:
             raise ValueError(f"PowerSGDReducer.load_state_dict: state version {version!r}, expected {STATE_VERSION}")
-        world = self._comm.world()
-        saved = state.get("world")
-        if saved is None or tuple(saved) != world:
+        own = self._own_residuals(state.get("world"))
+        if own is None:
             state = state_for_new_world(state)
         self._step = int(state["step"])
         self._q = {k: v.detach().clone() for k, v in state["q"].items()}
         self._error = {k: v.detach().clone() for k, v in state["error"].items()}
-        self._world = world if self._error else None
+        self._world = own if self._error else None
 
 
 def _count(plain: list[torch.Tensor], ps: list[torch.Tensor], qs: list[torch.Tensor],

@@ -182,12 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="engine cycle time in milliseconds")
     tuning.add_argument("--cache-capacity", type=nonneg_int, metavar="N",
                         help="response cache entries; 0 disables the cache")
-    tuning.add_argument("--compression", type=compression_choice, metavar="NAME[:RANK[:START_ITER]]",
+    tuning.add_argument("--compression", type=compression_choice, metavar="NAME[:OPTIONS]",
                         help="compression of every gradient wrapper (DistributedOptimizer, "
                              "DistributedGradientTape) the script builds without a compression argument: "
-                             "none, fp16, bf16 or powersgd[:RANK[:START_ITER]], e.g. powersgd:4 (PowerSGD: "
-                             "hora.torch.DistributedOptimizer only); sets HORA_COMPRESSION. hora's, "
-                             "not horovodrun's")
+                             "none, fp16, bf16, powersgd[:RANK[:START_ITER]] or topk[:RATIO], e.g. powersgd:4 "
+                             "or topk:0.01 (PowerSGD and top-k: hora.torch.DistributedOptimizer only); sets "
+                             "HORA_COMPRESSION. hora's, not horovodrun's")
     allreduce = tuning.add_mutually_exclusive_group()
     allreduce.add_argument("--hierarchical-allreduce", action="store_true", default=None,
                            help="reduce within each host first, then across hosts")
