@@ -269,3 +269,22 @@ def test_lightning_vs_ddp_benchmark_trains_with_both_strategies() -> None:
     assert proc.returncode == 0, proc.stderr + proc.stdout
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert report["hora_median"] > 0 and report["ddp_median"] > 0 and report["gradient_tensors"] == 6
+
+
+@pytest.mark.timeout(200)
+def test_compression_accuracy_benchmark_reports_hora_topk_and_ddps_powersgd_hook() -> None:
+    """One epoch of the two paths that differ most (hora's top-k reducer; DDP with its PowerSGD hook
+    from the first steps): each trains and reports; the bytes fraction is hora's reducer's."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compression_accuracy.py"), "--epochs", "1", "--start-iter", "2",
+         "--only", "hora-topk,ddp-powersgd", "--json"],
+        capture_output=True, text=True, timeout=190, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    report = json.loads(proc.stdout)
+    assert set(report["results"]) == {"hora-topk", "ddp-powersgd"}, report
+    for row in report["results"].values():
+        assert 10.0 < row["accuracy"] <= 100.0 and row["seconds"] > 0, row  # better than chance after an epoch
+    assert 0 < report["results"]["hora-topk"]["sent_fraction"] < 0.05, report
