@@ -91,7 +91,7 @@ EXTRA_ALLOWED = {
     # a process set to synchronise the statistics over (the global set by default)
     "SyncBatchNorm": {"process_set"},
     # ZeRO stage 1 behind Horovod's optimizer (keyword-only; docs/memory.md)
-    "DistributedOptimizer": {"shard_optimizer_state"},
+    "DistributedOptimizer": {"shard_optimizer_state", "comm_hook"},
 }
 
 

@@ -29,7 +29,7 @@ import contextlib
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +41,7 @@ from hora.compression import PowerSGDSpec, StatefulCompressionSpec, TopKSpec
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
 from hora.torch import mpi_ops
+from hora.torch.comm_hooks import GradBucket
 from hora.torch.compression import Compression
 from hora.torch.powersgd import PowerSGDReducer
 from hora.torch.step_reducer import StepReducer
@@ -53,7 +54,7 @@ class _Pending:
 
     __slots__ = ("handle", "finish")
 
-    def __init__(self, handle: mpi_ops.TorchHandle, finish) -> None:
+    def __init__(self, handle: Any, finish) -> None:  # a TorchHandle, or a comm hook's future
         self.handle = handle
         self.finish = finish
 
@@ -675,6 +676,62 @@ class _DistributedStatefulOptimizer(_DistributedOptimizer):
             self._step_reducer.load_state_dict(reducer_state)
 
 
+class _DistributedHookOptimizer(_DistributedOptimizer):
+    """Mixed in instead of :class:`_DistributedOptimizer` for ``comm_hook=...``: every gradient travels
+    in a bucket (a parameter alone in a bucket of one), and each bucket, once its gradients are ready,
+    goes to the hook instead of hora's allreduce; ``synchronize()`` waits on the futures the hook
+    returned and writes their values into the gradients. See :mod:`hora.torch.comm_hooks`."""
+
+    _comm_hook: Callable[[GradBucket], Any]
+
+    def _make_buckets(self) -> list[list]:
+        if self._excluded:
+            return []
+        params = list(reversed(self._requires_update))
+        sizes = [(p.numel() * p.element_size(), p.dtype) for p in params]
+        planned = {bucket[0]: bucket for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes())}
+        covered = {i for bucket in planned.values() for i in bucket}
+        return [[params[j] for j in planned.get(i, [i])] for i in range(len(params)) if i in planned
+                or i not in covered]
+
+    def _start_bucket(self, index: int) -> None:
+        params = self._buckets[index]
+        buffer = self._bucket_buffers[index]
+        flat = buffer.gradients()
+        if flat is not None:
+            grads = [p.grad for p in params]  # views of the buffer: reducing it reduces them
+            landing = None
+        else:  # gradients that cannot be views (mixed layouts, sparse_as_dense): a flat copy, landed after
+            landing = [self._dense_grad(p) for p in params]
+            sparse = [self._plain_names[p] for p, g in zip(params, landing) if g.is_sparse]
+            if sparse:
+                raise ValueError(f"comm_hook takes dense gradients; {sparse} are sparse: pass sparse_as_dense=True")
+            flat = torch.cat([g.reshape(-1) for g in landing])
+            grads = list(torch.split(flat, [g.numel() for g in landing]))
+            grads = [g.view(p.shape) for g, p in zip(grads, params)]
+        name = f"{self._names[params[0]]}.hook{len(params)}{buffer.tag}"
+        bucket = GradBucket(index, flat, list(params), [self._plain_names[p] for p in params], grads,
+                            index == len(self._buckets) - 1, self._process_set, name)
+        future = self._comm_hook(bucket)
+        if not callable(getattr(future, "wait", None)):
+            raise TypeError(f"comm_hook must return a future (with wait()), such as hora.torch.comm_hooks.HookFuture "
+                            f"or torch.futures.Future; it returned {type(future).__name__} for bucket {index}")
+
+        def finish(result, flat=flat, params=params, landing=landing, index=index):
+            if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
+                got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+                raise ValueError(f"comm_hook's future for bucket {index} gave {got}; it must give the bucket's "
+                                 f"{flat.numel()} elements (bucket.buffer(), reduced)")
+            with torch.no_grad():
+                if result is not flat:
+                    flat.copy_(result.reshape(flat.shape))
+                if landing is not None:
+                    pieces = torch.split(flat, [g.numel() for g in landing])
+                    for p, piece in zip(params, pieces):
+                        self._land(p, piece.view(p.shape))
+        self._pending[("bucket", index)] = _Pending(future, finish)
+
+
 class _ShardedStep(_OptimizerBase):
     """Stands after :class:`_DistributedOptimizer` in a sharded optimizer's MRO, where the wrapped
     optimizer's own ``step`` would be: every path of ``_DistributedOptimizer.step`` (plain, with a
@@ -767,13 +824,36 @@ def _check_stateful_arguments(spec: StatefulCompressionSpec, reduction: Gradient
                          "groups do not apply to it; leave them unset")
 
 
+def _check_hook_arguments(hook: Any, reduction: GradientReduction, compression: Any, groups: Any,
+                          shard_optimizer_state: bool) -> None:
+    """A hook decides how each bucket is reduced: the arguments that would say it too are refused
+    when the optimizer is built rather than silently overridden."""
+    if not callable(hook):
+        raise TypeError(f"comm_hook must be a callable taking a hora.torch.comm_hooks.GradBucket, got {hook!r}")
+    conflicts = []
+    if reduction.op != Average:
+        conflicts.append(f"op={reduction.op.name}")
+    if reduction.prescale_factor != 1.0 or reduction.postscale_factor != 1.0:
+        conflicts.append("gradient_predivide_factor")
+    if compression is not Compression.none:
+        conflicts.append(f"compression={compression!r}")
+    if groups is not None:
+        conflicts.append("num_groups/groups")
+    if shard_optimizer_state:
+        conflicts.append("shard_optimizer_state=True")
+    if conflicts:
+        raise ValueError(f"comm_hook decides how each gradient bucket is reduced; it does not combine with "
+                         f"{', '.join(conflicts)}: leave them at their defaults and do it in the hook")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set, *,
-                         shard_optimizer_state: bool = False) -> torch.optim.Optimizer:
+                         shard_optimizer_state: bool = False,
+                         comm_hook: Callable[[GradBucket], Any] | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across all ranks.
 
     The result is an instance of the wrapped optimizer's own class (``isinstance`` checks and
@@ -785,6 +865,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     the whole model. Checkpoint with ``consolidate_state_dict(to)`` then ``state_dict()`` on rank
     ``to``, as with :class:`~hora.torch.ZeroRedundancyOptimizer` (docs/memory.md). Stage 2 (sharded
     gradients) is not built.
+
+    ``comm_hook=hook`` (a hora addition, after DDP's ``register_comm_hook``): each gradient bucket goes
+    to ``hook(bucket)``, which returns a future of the reduced bucket (:mod:`hora.torch.comm_hooks`);
+    the hook then decides how gradients are reduced, so ``op``, ``gradient_predivide_factor``,
+    ``compression``, ``groups`` and ``shard_optimizer_state`` keep their defaults.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -796,6 +881,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
     compression = horovod_args.check_compression(compression, stateful=True)
     stateful = compression if isinstance(compression, StatefulCompressionSpec) else None
+    if comm_hook is not None:
+        _check_hook_arguments(comm_hook, reduction, compression, groups, shard_optimizer_state)
     if shard_optimizer_state:
         _check_sharding_arguments(reduction, stateful)
     if stateful is not None:
@@ -808,6 +895,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         mixin = _DistributedAdasumOptimizer
     elif stateful is not None:
         mixin = _DistributedStatefulOptimizer
+    elif comm_hook is not None:
+        mixin = _DistributedHookOptimizer
     elif shard_optimizer_state:
         mixin = _ShardedDistributedOptimizer
     cls: type[object] = type(base.__name__, (mixin, base),
@@ -820,6 +909,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     if shard_optimizer_state:
         whole_state = wrapped.__dict__.pop("state", {})  # the class's ``state`` property reads the shard's
         carried = {p: s for p, s in whole_state.items() if s}
+    if comm_hook is not None:
+        wrapped._comm_hook = comm_hook
     wrapped._hora_setup(named_parameters, compression, passes, reduction, groups, sparse_as_dense)
     if shard_optimizer_state:
         wrapped._hora_shard(base, carried)
