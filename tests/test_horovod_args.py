@@ -156,7 +156,8 @@ def test_bad_hora_compression_is_a_config_error_naming_the_variable_when_a_wrapp
     from hora.compression import Compression
     from hora.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"HORA_COMPRESSION='powersgd:0' is invalid: expected none, fp16, bf16 or"):
+    with pytest.raises(ConfigError, match=r"HORA_COMPRESSION='powersgd:0' is invalid: expected none, fp16, bf16, "
+                       r"powersgd\[:RANK\[:START_ITER\]\] or topk\[:RATIO\]"):
         check_compression(Compression.none, environ={"HORA_COMPRESSION": "powersgd:0"})
     # an explicit argument never reads the variable
     assert check_compression(Compression.fp16, environ={"HORA_COMPRESSION": "zip"}) is Compression.fp16

@@ -21,7 +21,7 @@ class ConvertingHandle:
 
     __slots__ = ("_inner", "_finish", "_done", "_value")
 
-    def __init__(self, inner: Handle | list[Handle], finish: Callable[[Any], Any]) -> None:
+    def __init__(self, inner: Handle | ConvertingHandle | list[Handle], finish: Callable[[Any], Any]) -> None:
         self._inner = inner
         self._finish = finish
         self._done = False
@@ -32,6 +32,11 @@ class ConvertingHandle:
         if isinstance(self._inner, list):
             return all(h.done() for h in self._inner)
         return self._inner.done()
+
+    def done(self) -> bool:
+        """:meth:`poll` under the name an engine handle (and a ``torch.futures.Future``) uses, so a
+        converting handle can stand as another's inner handle (a future chained on a collective)."""
+        return self.poll()
 
     def wait(self) -> Any:
         """The converted result (computed once); raises the collective's error here."""

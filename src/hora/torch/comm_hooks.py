@@ -23,53 +23,36 @@ from typing import Any
 import torch
 
 from hora.basics import Average, ProcessSet
+from hora.binding import ConvertingHandle, as_is
 from hora.torch import mpi_ops
 
 __all__ = ["GradBucket", "HookFuture", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
 
-class HookFuture:
+class HookFuture(ConvertingHandle):
     """The future a hook returns: ``wait()`` gives its value, waiting for the collective behind it.
 
     hora's engine runs its cycles in the thread that waits (see ``hora.engine.request.Handle``), so a
     hook's future completes when ``synchronize()`` waits on it, not through a callback; ``then``
     therefore chains lazily: the callback runs, once, in the waiting thread, with the completed parent.
-    A hook may return any object with ``wait()``, a completed ``torch.futures.Future`` included.
+    It is the binding kit's handle (``wait``, ``poll`` and ``done`` come from there); a hook may also
+    return any object with ``wait()``, a completed ``torch.futures.Future`` included.
     """
 
-    __slots__ = ("_wait", "_done", "_value")
-
-    def __init__(self, wait: Callable[[], Any]) -> None:
-        self._wait = wait
-        self._done = False
-        self._value: Any = None
+    __slots__ = ()
 
     @classmethod
-    def of(cls, handle: Any) -> HookFuture:
+    def of(cls, handle: ConvertingHandle) -> HookFuture:
         """The future of a handle from one of hora.torch's ``_async`` collectives."""
-        return cls(lambda: mpi_ops.synchronize(handle))
-
-    def wait(self) -> Any:
-        """The value, computed once; raises the collective's (or a chained callback's) error here."""
-        if not self._done:
-            self._value = self._wait()
-            self._done = True
-        return self._value
+        return cls(handle, as_is)
 
     def value(self) -> Any:
         """The value: torch's ``Future.value()``, which a ``then`` callback reads from its argument."""
         return self.wait()
 
-    def done(self) -> bool:
-        """Whether the value has been computed (a future is completed by waiting on it)."""
-        return self._done
-
     def then(self, callback: Callable[[HookFuture], Any]) -> HookFuture:
         """A future of ``callback(self)``, run after this one completes."""
-        def chained() -> Any:
-            self.wait()
-            return callback(self)
-        return HookFuture(chained)
+        return HookFuture(self, lambda _completed: callback(self))
 
 
 class GradBucket:
