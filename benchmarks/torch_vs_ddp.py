@@ -43,13 +43,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL_FILE = os.path.join(HERE, os.pardir, "examples", "pytorch_synthetic_benchmark.py")
+from synthetic_models import CLASSES, load_model
+
 CONTENDERS = ("hora", "ddp", "single")
-#: Classes of models built with other than the synthetic benchmark's 1000. mlp200 is issue 17's bar
-#: model, "100 Linear layers of width 64-256": its output layer too is 256 wide (the example's own
-#: default, 1000 classes, would make the last layer 64 -> 1000).
-CLASSES = {"mlp200": 256}
 #: Images per worker per step where --batch-size is not given (the bar's batch for mlp200).
 BATCH = {"mlp200": 32}
 #: What EngineCpuMeter reports from hora's rank 0, per step (medians over rounds in the summary).
@@ -73,18 +69,13 @@ class Config:
 
 def _build(cfg: Config, seed: int):
     """The model, an SGD optimizer on it, one synthetic batch, and the loss function."""
-    import importlib.util
-
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(cfg.threads)
-    spec = importlib.util.spec_from_file_location("_synthetic_models", os.path.normpath(MODEL_FILE))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     torch.manual_seed(seed)
     classes = CLASSES.get(cfg.model, 1000)
-    model = module.MODELS[cfg.model](num_classes=classes) if cfg.model in CLASSES else module.MODELS[cfg.model]()
+    model = load_model(cfg.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
     target = torch.randint(0, classes, (cfg.batch_size,))

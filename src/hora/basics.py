@@ -244,6 +244,15 @@ def rocm_built() -> bool:
     return False
 
 
+def bytes_sent() -> int | None:
+    """Bytes this rank's transports have sent to its peers since ``init()``, read from their own
+    counters (a hora addition; Horovod has none): what a collective, a compression setting or a
+    training step costs on the wire, as the difference of two readings. Every process set's
+    traffic and the engine's negotiation count; shared memory between ranks of one host moves no
+    network bytes. ``None`` under the MPI transport, which sends inside its library."""
+    return engine().bytes_sent()
+
+
 # ---- engine access for the bindings -------------------------------------------------------------
 
 def engine() -> Engine:

@@ -288,3 +288,46 @@ def test_compression_accuracy_benchmark_reports_hora_topk_and_ddps_powersgd_hook
     for row in report["results"].values():
         assert 10.0 < row["accuracy"] <= 100.0 and row["seconds"] > 0, row  # better than chance after an epoch
     assert 0 < report["results"]["hora-topk"]["sent_fraction"] < 0.05, report
+
+
+@pytest.mark.timeout(200)
+def test_zero_memory_benchmark_reports_sharded_state_and_speed_side_by_side() -> None:
+    """Both parts at their smallest: the 201.6 MB Adam state at 2 ranks, unsharded and sharded by
+    hora's stage 1 and torch's ZeroRedundancyOptimizer, and two timed steps of the 200-tensor MLP."""
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "zero_memory.py"), "--np", "2", "--models", "mlp200",
+         "--rounds", "1", "--steps", "2", "--warmup", "1", "--only", "hora,hora-stage1,torch-zero", "--json"],
+        capture_output=True, text=True, timeout=190, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    report = json.loads(proc.stdout)
+    rows = report["memory"]["2"]
+    assert rows["hora"]["state_bytes"] == pytest.approx(201.6e6, rel=1e-3)  # Adam's two moments, whole
+    for sharded in ("hora-stage1", "torch-zero"):
+        assert 0.45 < rows[sharded]["state_fraction"] <= 0.55, rows  # half of it on the largest rank
+        assert rows[sharded]["within_bar"] == 1.0
+    for row in rows.values():
+        assert row["gradient_bytes"] == pytest.approx(100.8e6, rel=1e-3) and row["peak_rss_growth"] > 0, row
+    speed = report["speed"]["mlp200"]
+    assert all(speed[c]["img_sec"] > 0 for c in ("hora", "hora-stage1", "torch-zero")), speed
+    assert set(speed["ratios"]) >= {"hora-stage1/hora", "hora-stage1/torch-zero"}, speed
+
+
+@pytest.mark.timeout(200)
+def test_compression_bytes_benchmark_counts_powersgds_bytes_on_the_wire() -> None:
+    """Two steps of the 200-tensor MLP over TCP, uncompressed and with PowerSGD: the transports'
+    counters see the uncompressed gradient (a 2-rank ring sends each rank's whole buffer once) and a
+    small fraction of it compressed, in line with what the reducer planned."""
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compression_bytes.py"), "--models", "mlp200", "--only",
+         "none,powersgd", "--steps", "2", "--warmup", "2", "--json"],
+        capture_output=True, text=True, timeout=190, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    rows = json.loads(proc.stdout)["results"]["mlp200"]
+    none, compressed = rows["none"], rows["powersgd"]
+    assert none["gradient_bytes"] <= none["bytes_per_step"] <= none["gradient_bytes"] * 1.01, none
+    assert compressed["fraction_of_none"] < 0.1, compressed
+    assert compressed["fraction_of_none"] == pytest.approx(compressed["reducer_fraction"], rel=0.05), compressed

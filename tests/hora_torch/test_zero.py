@@ -75,16 +75,19 @@ def _job(checkpoint=None) -> list:
     def named(model, prefix):
         return [(f"{prefix}.{name}", p) for name, p in model.named_parameters()]
 
-    def against_distributed(optimizer, prefix, **zero_kwargs):
+    def against_distributed(optimizer, prefix, chunk_bytes=None, **zero_kwargs):
         cls, settings = optimizer
 
         def section():
             model = make_model()
             opt = ZeroRedundancyOptimizer(model.parameters(), cls, **zero_kwargs, **settings)
+            if chunk_bytes is not None:
+                opt.chunk_bytes = chunk_bytes
             sharded = train(opt, model, STEPS, r, n)
             plain = make_model()
             hopt = hvd.DistributedOptimizer(cls(plain.parameters(), **settings), named_parameters=named(plain, prefix))
-            out = {"sharded": sharded, "distributed": train(hopt, plain, STEPS, r, n)}
+            out = {"sharded": sharded, "distributed": train(hopt, plain, STEPS, r, n),
+                   "float32_calls": opt._calls(torch.float32)}
             if opt.parameters_as_bucket_view:
                 ptrs = {p.untyped_storage().data_ptr() for p in model.parameters() if p.dtype == torch.float32}
                 out["float32_storages"] = len(ptrs)
@@ -276,6 +279,10 @@ def _job(checkpoint=None) -> list:
         ("adam", against_distributed(ADAM, "adam")),
         ("sgd_momentum", against_distributed(SGD_MOMENTUM, "sgd")),
         ("adam_bucket_view", against_distributed(ADAM, "adam.bv", parameters_as_bucket_view=True)),
+        # pieces of 100 bytes: every shard moves in several collectives, and parameters straddle them
+        ("adam_chunked", against_distributed(ADAM, "adam.ch", chunk_bytes=100)),
+        ("sgd_bucket_view_chunked", against_distributed(SGD_MOMENTUM, "sgd.bv.ch", chunk_bytes=100,
+                                                        parameters_as_bucket_view=True)),
         ("state_bytes", state_bytes),
         ("plan_everywhere", plan_everywhere),
         ("checkpoint_round_trip", checkpoint_round_trip),
@@ -336,11 +343,17 @@ def job(request) -> JobResults:
 # ---- same weights as the unsharded DistributedOptimizer -----------------------------------------
 
 
-@pytest.mark.parametrize("section", ["adam", "sgd_momentum", "adam_bucket_view"])
+@pytest.mark.parametrize("section", ["adam", "sgd_momentum", "adam_bucket_view", "adam_chunked",
+                                     "sgd_bucket_view_chunked"])
 def test_sharded_steps_match_the_unsharded_distributed_optimizer(job, section):
     for r in range(job.size):
         out = job.get(section, r)
         assert_close_lists(out["sharded"], out["distributed"])
+        # the default moves each dtype in one piece here; 100-byte pieces take several collectives
+        if "chunked" in section:
+            assert out["float32_calls"] >= 4
+        else:
+            assert out["float32_calls"] == 1
     first = job.get(section, 0)["sharded"]
     for r in range(1, job.size):  # every rank ends with every parameter, the same
         for a, b in zip(first, job.get(section, r)["sharded"]):

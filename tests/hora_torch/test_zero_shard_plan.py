@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from hora.binding.shard_plan import ShardPlan, plan_shards
+from hora.binding.shard_plan import ShardPlan, chunk_bounds, plan_shards
 
 
 def best_max_shard(sizes: list[int], ranks: int) -> int:
@@ -97,3 +97,41 @@ def test_bad_arguments() -> None:
         plan_shards([1, -2], 2)
     with pytest.raises(IndexError):
         plan_shards([1, 2], 2).owner(2)
+
+
+# ---- pieces: a run moved in several collectives ---------------------------------------------------
+
+
+def test_pieces_tile_every_run_and_line_up_across_members() -> None:
+    lengths = [10, 3, 0, 7]
+    calls = chunk_bounds(lengths, 4)
+    assert len(calls) == 4 and all(len(call) == len(lengths) for call in calls)
+    for member, n in enumerate(lengths):
+        ranges = [call[member] for call in calls]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a <= b for a, b in ranges)
+        assert all(ranges[k][1] == ranges[k + 1][0] for k in range(len(ranges) - 1))  # contiguous, in order
+    # one piece length for everyone (the longest run's share), so piece k starts at the same offset
+    assert [call[0] for call in calls] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [call[1] for call in calls] == [(0, 3), (3, 3), (3, 3), (3, 3)]
+    assert all(call[2] == (0, 0) for call in calls)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_piece_is_longer_than_the_longest_runs_share(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.randrange(0, 50) for _ in range(rng.randrange(1, 5))]
+    calls_wanted = rng.randrange(1, 8)
+    calls = chunk_bounds(lengths, calls_wanted)
+    share = -(-max(lengths) // calls_wanted)
+    assert len(calls) == calls_wanted
+    assert all(b - a <= share for call in calls for a, b in call)
+    assert [sum(call[m][1] - call[m][0] for call in calls) for m in range(len(lengths))] == lengths
+
+
+def test_chunk_bounds_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="positive number of pieces"):
+        chunk_bounds([4], 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        chunk_bounds([4, -1], 2)
+    assert chunk_bounds([], 2) == [[], []]

@@ -17,6 +17,7 @@ from hora.basics import (
     Product,
     Sum,
     add_process_set,
+    bytes_sent,
     ccl_built,
     cross_rank,
     cross_size,
@@ -45,8 +46,8 @@ from hora.basics import (
 from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = [
-    "Adasum", "Average", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "init",
+    "Adasum", "Average", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set", "bytes_sent", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "init",
     "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "rank", "remove_process_set", "rocm_built", "shutdown", "size",
     "start_timeline", "stop_timeline", "HorovodInternalError", "HostsUpdatedInterrupt",

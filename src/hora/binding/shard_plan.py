@@ -118,3 +118,23 @@ def _runs_needed(prefix: list[int], cap: int) -> list[int]:
         j = bisect.bisect_right(prefix, prefix[i] + cap, lo=i + 1) - 1
         need[i] = 1 + need[max(j, i + 1)]
     return need
+
+
+def chunk_bounds(lengths: Sequence[int], calls: int) -> list[list[tuple[int, int]]]:
+    """Cut each member's run (``lengths[m]`` elements) into ``calls`` consecutive pieces, one per
+    collective: ``result[k][m]`` is the element range of member m's run that collective k carries.
+
+    Moving a shard with one collective per dtype needs flat buffers the size of the whole model for
+    the length of the call, several of them at once (the packed send, the result, the transport's
+    staging), which can outweigh what sharding the state saved. In pieces, a step's transient memory
+    is bounded by the piece size instead. Every member cuts its run at the same multiples of one
+    piece length (the longest run's share), so piece k of every member lands in collective k; a run
+    shorter than the others is spent early and sends empty pieces after that.
+    """
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"a run is cut into a positive number of pieces, got {calls!r}")
+    lengths = [int(n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"run lengths must be non-negative, got {lengths}")
+    piece = -(-max(lengths, default=0) // calls)
+    return [[(min(k * piece, n), min((k + 1) * piece, n)) for n in lengths] for k in range(calls)]

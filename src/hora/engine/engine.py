@@ -179,11 +179,19 @@ class Engine:
         #: Negotiation rounds (name-based coordinator exchanges) this rank has taken part in, all
         #: process sets together. Steady state served by the response cache adds none.
         self.negotiation_rounds = 0
+        #: What the communicators of removed process sets had sent, so bytes_sent() never goes back.
+        self._removed_bytes_sent: list[int | None] = []
         #: Set by enable_autotune(): tunes the knobs below while the job trains.
         self.autotuner: Autotuner | None = None
         self._add_set(0, list(range(world.size)), world)
         self._pacer = Pacer(self)
         self._pacer.start()
+
+    def bytes_sent(self) -> int | None:
+        """Bytes every communicator of this rank (the world's and each process set's, removed ones
+        included) has sent to peers; None when one of them cannot count (see Communicator.bytes_sent)."""
+        counts = [state.comm.bytes_sent for state in self._states] + self._removed_bytes_sent
+        return None if None in counts else sum(c for c in counts if c is not None)
 
     # ---- process sets -------------------------------------------------------------------------
 
@@ -727,6 +735,7 @@ class Engine:
                 removed = self._sets.pop(set_id, None)
                 if removed is not None:
                     self._states = tuple(self._sets[k] for k in sorted(self._sets))
+                    self._removed_bytes_sent.append(removed.comm.bytes_sent)
                     # Nothing will ever run these: fail them rather than leave their waiters hanging.
                     self._fail_requests(
                         list(removed.in_flight.values()),

@@ -751,7 +751,7 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
     ``backward_passes_per_step``); the step is a :class:`~hora.torch.zero.ZeroRedundancyOptimizer`'s
     (``self._zero``) over the same parameter groups (the very group dicts, so a learning-rate scheduler
     that changes ``param_groups`` changes what the shard steps with): an instance of the wrapped class
-    over this rank's shard steps it, and one allgather per dtype brings the updated parameters back.
+    over this rank's shard steps it, and allgathers bring the updated parameters back.
     ``state`` is that shard's state; checkpoints go through :meth:`consolidate_state_dict`, as with
     ``ZeroRedundancyOptimizer``.
     """

@@ -5,15 +5,19 @@ each rank keeps state only for its own shard of the parameters (``hora.binding.s
 the same way on every rank), steps only that shard, and the updated parameters are allgathered back.
 
 hora has no DistributedDataParallel to average gradients before ``step()``, so ``step()`` averages
-them itself, in the form sharding wants: one reducescatter per dtype of a flat bucket laid out in
-shard order, so that the block each rank receives is exactly the averaged gradients of its own
-shard. hora's reducescatter gives every member an equal block (the first members one extra row when
-the length does not divide), while shards differ in size, so each rank's segment of the bucket is
-padded with zeros to the longest; the allgather back takes blocks of any length and needs none.
+them itself, in the form sharding wants: a reducescatter of a flat bucket laid out in shard order,
+so that the block each rank receives is exactly the averaged gradients of its own shard. hora's
+reducescatter gives every member an equal block (the first members one extra row when the length
+does not divide), while shards differ in size, so each rank's segment of the bucket is padded with
+zeros to the longest; the allgather back takes blocks of any length and needs none. Both move the
+runs in pieces of at most ``chunk_bytes`` per member, two collectives in flight at a time, so the
+buffers a step makes stay bounded however large the model: one flat bucket per dtype of the whole
+model would cost more memory, for the length of the step, than sharding the state saves.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -21,9 +25,10 @@ import torch
 
 from hora import basics, collectives
 from hora.basics import Average, ProcessSet, global_process_set
-from hora.binding.shard_plan import ShardPlan, plan_shards
+from hora.binding.shard_plan import ShardPlan, chunk_bounds, plan_shards
 from hora.errors import CollectivePreconditionError, UnsupportedOperationError
 from hora.torch import mpi_ops
+from hora.torch.flat_run import FlatRun
 from hora.torch.zero_state import (
     from_bytes,
     full_state_dict,
@@ -33,6 +38,10 @@ from hora.torch.zero_state import (
     saved_positions,
     to_bytes,
 )
+
+#: Collectives of one kind kept in flight at once while a step moves its pieces: the next piece is on
+#: its way while the last one is written out, and at most this many pieces' buffers exist at a time.
+_IN_FLIGHT = 2
 
 #: Per dtype, in the order the dtypes first appear: each member's parameter positions.
 _Segments = dict[torch.dtype, list[list[int]]]
@@ -71,9 +80,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     everywhere in hora. A rank outside ``process_set`` takes no part: it steps every parameter alone.
 
     ``parameters_as_bucket_view=True`` moves the parameters into one flat buffer per dtype (each
-    ``param.data`` a view into it), so the updated parameters land with one copy per dtype instead
-    of one per parameter.
+    ``param.data`` a view into it), torch's layout; the updated parameters land in it.
+
+    ``chunk_bytes`` (a hora addition, the same on every rank) is how many bytes of each member's
+    shard one collective carries: a step's transient buffers are a few times ``chunk_bytes`` times
+    the number of members, not the model's size.
     """
+
+    #: Bytes of each member's run per collective (see the class docstring).
+    chunk_bytes: int = 4 << 20
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  process_group: Any = None, parameters_as_bucket_view: bool = False,
@@ -233,46 +248,66 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             segments = self._gradient_segments[key] = self._segments(trainable_only=True)
         return segments
 
-    def _flat_gradient(self, i: int) -> torch.Tensor:
+    def _gradient(self, i: int) -> torch.Tensor | None:
         p = self._params[i]
-        if p.grad is None:  # unused on this rank: zeros, so every rank reduces the same bucket
-            return torch.zeros(p.numel(), dtype=p.dtype, device=self._device)
-        if p.grad.is_sparse:
+        if p.grad is not None and p.grad.is_sparse:
             raise UnsupportedOperationError(f"ZeroRedundancyOptimizer reduces dense gradients only; parameter "
                                             f"{i} has a sparse one")
-        return p.grad.reshape(-1).to(p.dtype)
+        return p.grad  # None: unused on this rank, packed as zeros so every rank reduces the same bucket
+
+    def _calls(self, dtype: torch.dtype) -> int:
+        """How many collectives move one dtype's runs: from every parameter's size, never from which
+        ones have a gradient this step, so that the count (and the collectives' names) is the same on
+        every rank even where ranks disagree on ``requires_grad`` (the size checks then say so)."""
+        longest = max(self._counts(self._all_segments[dtype]))
+        element = torch.empty(0, dtype=dtype).element_size()
+        return max(1, -(-longest * element // max(1, int(self.chunk_bytes))))
+
+    def _runs(self, segments: list[list[int]]) -> list[FlatRun]:
+        return [FlatRun([self._params[i].numel() for i in segment]) for segment in segments]
 
     @torch.no_grad()
     def _reduce_gradients(self) -> None:
         if self._members == 1:
             return
-        pending = []
+        pending: deque[tuple[FlatRun, list[torch.Tensor], tuple[int, int], mpi_ops.TorchHandle]] = deque()
         for dtype, segments in self._trainable_segments().items():
-            counts = self._counts(segments)
-            width = max(counts)
-            if width == 0:
+            runs = self._runs(segments)
+            lengths = [run.length for run in runs]
+            if not max(lengths):
                 continue
-            pieces: list[torch.Tensor] = []
-            for segment, count in zip(segments, counts):
-                pieces.extend(self._flat_gradient(i) for i in segment)
-                if count < width:
-                    pieces.append(torch.zeros(width - count, dtype=dtype, device=self._device))
-            handle = mpi_ops.reducescatter_async(torch.cat(pieces), name=f"{self._name}.grad.{_dtype_name(dtype)}",
-                                                 op=Average, process_set=self._process_set)
-            pending.append((segments[self._me], counts[self._me], handle))
-        for mine, count, handle in pending:
-            block = mpi_ops.synchronize(handle)
-            params = [self._params[i] for i in mine]
-            pieces = torch.split(block[:count], [p.numel() for p in params])
-            into, values = [], []
-            for p, piece in zip(params, pieces):
-                if p.grad is None:
-                    p.grad = piece.view_as(p)
-                else:
-                    into.append(p.grad)
-                    values.append(piece.view_as(p))
-            if into:
-                torch._foreach_copy_(into, values)
+            gradients = [[self._gradient(i) for i in segment] for segment in segments]
+            mine = [self._own_gradient(i) for i in segments[self._me]]
+            for k, bounds in enumerate(chunk_bounds(lengths, self._calls(dtype))):
+                width = max(b - a for a, b in bounds)
+                send = torch.empty(width * self._members, dtype=dtype, device=self._device)
+                for member, (a, b) in enumerate(bounds):
+                    block = send[member * width:(member + 1) * width]
+                    runs[member].pack(gradients[member], a, b, block[:b - a])
+                    block[b - a:].zero_()
+                handle = mpi_ops.reducescatter_async(send, name=f"{self._name}.grad.{_dtype_name(dtype)}.{k}",
+                                                     op=Average, process_set=self._process_set)
+                pending.append((runs[self._me], mine, bounds[self._me], handle))
+                if len(pending) > _IN_FLIGHT:
+                    self._land_gradients(*pending.popleft())
+        while pending:
+            self._land_gradients(*pending.popleft())
+
+    def _own_gradient(self, i: int) -> torch.Tensor:
+        """The gradient tensor the average of an owned parameter lands in, made writable in place."""
+        p = self._params[i]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif not p.grad.is_contiguous():
+            p.grad = p.grad.contiguous()
+        return p.grad
+
+    @staticmethod
+    def _land_gradients(run: FlatRun, grads: list[torch.Tensor], bounds: tuple[int, int],
+                        handle: mpi_ops.TorchHandle) -> None:
+        a, b = bounds
+        block = mpi_ops.synchronize(handle)
+        run.unpack(block[:b - a], a, b, grads)
 
     def _counts(self, segments: list[list[int]]) -> list[int]:
         return [sum(self._params[i].numel() for i in segment) for segment in segments]
@@ -292,38 +327,41 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _gather_parameters(self) -> None:
         if self._members == 1:
             return
-        bucketed = bool(self._buffers)
-        segments_by_dtype = self._all_segments if bucketed else self._trainable_segments()
-        pending = []
+        segments_by_dtype = self._all_segments if self._buffers else self._trainable_segments()
+        pending: deque[tuple[torch.dtype, list[FlatRun], list[list[torch.Tensor]], list[tuple[int, int]],
+                             mpi_ops.TorchHandle]] = deque()
         for dtype, segments in segments_by_dtype.items():
-            counts = self._counts(segments)
-            if not sum(counts):
+            runs = self._runs(segments)
+            lengths = [run.length for run in runs]
+            if not max(lengths):
                 continue
-            if bucketed:
-                start = sum(counts[:self._me])
-                send = self._buffers[dtype][start:start + counts[self._me]]
-            elif segments[self._me]:
-                send = torch.cat([self._params[i].detach().reshape(-1) for i in segments[self._me]])
-            else:
-                send = torch.empty(0, dtype=dtype, device=self._device)
-            handle = mpi_ops.allgather_async(send, name=f"{self._name}.param.{_dtype_name(dtype)}",
-                                             process_set=self._process_set)
-            pending.append((dtype, segments, sum(counts), handle))
-        for dtype, segments, total, handle in pending:
-            gathered = mpi_ops.synchronize(handle)
-            if gathered.numel() != total:
-                raise CollectivePreconditionError(
-                    f"ZeroRedundancyOptimizer gathered {gathered.numel()} {_dtype_name(dtype)} elements of "
-                    f"parameters where its plan has {total}: ranks disagree on which parameters require grad")
-            if bucketed:
-                self._buffers[dtype].copy_(gathered.to(self._device))
-                continue
-            order = [i for segment in segments for i in segment]
-            pieces = torch.split(gathered.to(self._device), [self._params[i].numel() for i in order])
-            into = [self._params[i] for i in order if i not in self._owned]
-            values = [piece.view_as(self._params[i]) for i, piece in zip(order, pieces) if i not in self._owned]
-            if into:
-                torch._foreach_copy_(into, values)
+            params = [[self._params[i].detach() for i in segment] for segment in segments]
+            for k, bounds in enumerate(chunk_bounds(lengths, self._calls(dtype))):
+                a, b = bounds[self._me]
+                send = torch.empty(b - a, dtype=dtype, device=self._device)
+                runs[self._me].pack(params[self._me], a, b, send)
+                handle = mpi_ops.allgather_async(send, name=f"{self._name}.param.{_dtype_name(dtype)}.{k}",
+                                                 process_set=self._process_set)
+                pending.append((dtype, runs, params, bounds, handle))
+                if len(pending) > _IN_FLIGHT:
+                    self._land_parameters(*pending.popleft())
+        while pending:
+            self._land_parameters(*pending.popleft())
+
+    def _land_parameters(self, dtype: torch.dtype, runs: list[FlatRun], params: list[list[torch.Tensor]],
+                         bounds: list[tuple[int, int]], handle: mpi_ops.TorchHandle) -> None:
+        gathered = mpi_ops.synchronize(handle)
+        total = sum(b - a for a, b in bounds)
+        if gathered.numel() != total:
+            raise CollectivePreconditionError(
+                f"ZeroRedundancyOptimizer gathered {gathered.numel()} {_dtype_name(dtype)} elements of "
+                f"parameters where its plan has {total}: ranks disagree on which parameters require grad")
+        gathered = gathered.to(self._device)
+        offset = 0
+        for member, (a, b) in enumerate(bounds):
+            if member != self._me:
+                runs[member].unpack(gathered[offset:offset + b - a], a, b, params[member])
+            offset += b - a
 
     # ---- parameter groups and checkpoints ---------------------------------------------------------
 

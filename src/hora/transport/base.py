@@ -142,6 +142,14 @@ class Communicator(abc.ABC):
         """This process's rank in the job, for messages (``rank`` is its index in this communicator)."""
         return self.rank
 
+    @property
+    def bytes_sent(self) -> int | None:
+        """Bytes this rank has handed to its sockets for peers through this communicator, every
+        collective and negotiation included: the traffic a setting costs, counted where it leaves,
+        not estimated. ``None`` where the transport cannot count them (MPI sends inside its library).
+        Shared memory between ranks of one host moves no network bytes and is not counted."""
+        return None
+
     # ---- the collectives ------------------------------------------------------------------------
 
     @property

@@ -107,6 +107,11 @@ class HierarchicalCommunicator(Communicator):
         return self.flat.rank
 
     @property
+    def bytes_sent(self) -> int | None:
+        counts = [comm.bytes_sent for comm in (self.flat, self.local, self.cross) if comm is not None]
+        return None if None in counts else sum(c for c in counts if c is not None)
+
+    @property
     def size(self) -> int:
         return self.flat.size
 

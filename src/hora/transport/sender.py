@@ -26,6 +26,8 @@ class AsyncSender:
         self._queue: queue.SimpleQueue[tuple[socket.socket, memoryview] | _Fence | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self._queued = False  # anything sent since the last flush? (a fence costs a thread handoff)
+        #: Bytes queued for sending since the start (what the transport counts as sent).
+        self.bytes_queued = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -33,6 +35,7 @@ class AsyncSender:
         """Queue ``view`` for sending; it must stay untouched until :meth:`flush` returns."""
         if len(view):
             self._queued = True
+            self.bytes_queued += view.nbytes
             self._queue.put((sock, view))
 
     def flush(self, timeout: float) -> None:

@@ -175,6 +175,11 @@ class ShmCommunicator(MemberCommunicator):
             self._guard.adopt(exc)
             raise
 
+    @property
+    def bytes_sent(self) -> int:
+        """What went through the TCP side (large objects, alltoall): the segments move no network bytes."""
+        return self._mesh.bytes_sent
+
     # ---- segments -----------------------------------------------------------------------------
 
     @property

@@ -88,12 +88,17 @@ class TcpCommunicator(MemberCommunicator):
         #: Point-to-point messages sent by the small-message and object paths (direct, doubling,
         #: trees): what the engine's control plane costs per cycle (benchmarks/scaling_one_host.py).
         self.small_messages_sent = 0
+        self._inline_bytes = 0  # sent on the caller's thread; the sender thread counts its own
         self._sender = AsyncSender(name=f"hora-send-{self.global_rank}")
         self._scratch = ScratchArrays()  # ring chunk and reduce-scatter work arrays, reused
         # The guard every collective runs in: one collective at a time, refused once failed, and any
         # failure inside recorded for the peers and raised with its root cause.
         self._guard = CollectiveGuard(store, scope, self._members, rank, self.timeout,
                                       cut=self.shutdown_connections, flush=self._sender.flush)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._inline_bytes + self._sender.bytes_queued
 
     # ---- sockets ------------------------------------------------------------------------------
 
@@ -165,6 +170,7 @@ class TcpCommunicator(MemberCommunicator):
         if len(view) > self._inline_limit[peer]:
             self._sender.send(sock, view)
             return
+        self._inline_bytes += view.nbytes
         try:
             sock.sendall(view)
         except OSError as exc:
