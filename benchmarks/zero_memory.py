@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rank_sync import gloo_sync, hora_sync
 from synthetic_models import SHAPES, comma_list, model_and_batch
 
 CONTENDERS = ("hora", "hora-stage1", "hora-zero", "ddp", "torch-zero")
@@ -112,12 +113,7 @@ def worker(cfg: Config) -> dict[str, float]:
             optimizer: Any = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-
-        def slowest(value: float) -> float:
-            t = torch.tensor([value], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t.item())
-        barrier, done = dist.barrier, dist.destroy_process_group
+        sync = gloo_sync()
     else:
         import hora.torch as hvd
 
@@ -130,14 +126,7 @@ def worker(cfg: Config) -> dict[str, float]:
                                                  named_parameters=model.named_parameters(),
                                                  shard_optimizer_state=cfg.contender == "hora-stage1")
         trained = model
-
-        def slowest(value: float) -> float:
-            t = torch.tensor([value], dtype=torch.float64)
-            return float(hvd.allreduce(t, name="bench.slowest", op=hvd.Max).item())
-
-        def barrier() -> None:
-            hvd.allreduce(torch.zeros(1), name="bench.barrier")
-        done = hvd.shutdown
+        sync = hora_sync()
 
     def step() -> float:
         optimizer.zero_grad()
@@ -162,12 +151,12 @@ def worker(cfg: Config) -> dict[str, float]:
     else:
         for _ in range(cfg.warmup):
             step()
-        barrier()
+        sync.barrier()
         start = time.perf_counter()
         for _ in range(cfg.steps):
             loss = step()
-        result = {"seconds": slowest(time.perf_counter() - start), "loss": loss}
-    done()
+        result = {"seconds": sync.slowest(time.perf_counter() - start), "loss": loss}
+    sync.done()
     return result
 
 

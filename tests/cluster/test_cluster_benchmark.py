@@ -58,3 +58,27 @@ def test_tcp_congestion_flag_is_refused_for_real_hosts():
     result = subprocess.run([sys.executable, str(SCRIPT), "--hosts", "h1,h2", "--tcp-congestion", "reno"],
                             capture_output=True, text=True, timeout=30, env=clean_env(), cwd=str(REPO))
     assert result.returncode == 2 and "--tcp-congestion" in result.stderr and "--hosts" in result.stderr
+
+
+@pytest.mark.timeout(150)
+def test_cluster_compression_benchmark_on_two_shaped_hosts():
+    """benchmarks/cluster_compression.py builds its own 2 hosts behind 1 Gbit/s links and trains the
+    200-tensor MLP uncompressed and with hora's and DDP's PowerSGD: every contender reports its
+    speed, and hora's transports count PowerSGD's bytes per step as a small part of the plain run's."""
+    from emucluster import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"cannot emulate a cluster here: {reason}")
+    pytest.importorskip("torch")
+    argv = [sys.executable, str(REPO / "benchmarks" / "cluster_compression.py"), "--hosts-list", "2", "--models",
+            "mlp200", "--only", "hora,hora-powersgd,ddp-powersgd", "--steps", "2", "--warmup", "2", "--json",
+            "--timeout", "60"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=140, env=clean_env(), cwd=str(REPO))
+    assert result.returncode == 0, result.stdout + result.stderr
+    entry = json.loads(result.stdout)["results"]["2"]["mlp200"]
+    rows = entry["rows"]
+    assert all(rows[c]["img_sec"] > 0 for c in ("hora", "hora-powersgd", "ddp-powersgd")), rows
+    assert "bytes_per_step" not in rows["ddp-powersgd"]  # Gloo's traffic is not hora's to count
+    assert rows["hora-powersgd"]["bytes_per_step"] < 0.1 * rows["hora"]["bytes_per_step"], rows
+    assert set(entry["ratios"]) == {"hora-powersgd/hora", "hora-powersgd/ddp-powersgd"}, entry
