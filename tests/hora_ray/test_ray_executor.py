@@ -225,9 +225,23 @@ def test_a_rank_that_never_returns_is_stopped_timeout_s_after_a_failure(ray_inst
         ex.shutdown()
 
 
+def _settled_free_cpus(quiet_s: float = 1.0, limit_s: float = 20.0) -> float:
+    """Ray's free CPUs once they stopped changing for ``quiet_s``: an earlier test's workers give
+    theirs back asynchronously, and the message below reports what is free when placement fails."""
+    deadline = time.monotonic() + limit_s
+    free = ray.available_resources().get("CPU", 0)
+    since = time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = ray.available_resources().get("CPU", 0)
+        if now != free:
+            free, since = now, time.monotonic()
+    return free
+
+
 def test_more_workers_than_the_cluster_can_place_fail_within_the_placement_timeout(ray_instance):
     ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=NUM_CPUS + 2)
-    free = ray.available_resources().get("CPU", 0)
+    free = _settled_free_cpus()
     began = time.monotonic()
     with pytest.raises(PlacementGroupTimeoutError) as info:
         ex.start()
