@@ -136,7 +136,13 @@ def launch(cluster: Any, hosts: int, contender: str, model: str, args: argparse.
             "--start-iter", str(args.start_iter), "--master", f"{addresses[0]}:{_free_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "hora0"})
-    result = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        result = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as exc:
+        seen = (exc.stdout or b"")[-4000:] + (exc.stderr or b"")[-4000:]
+        sys.stderr.write(seen.decode(errors="replace") if isinstance(seen, bytes) else seen)
+        raise SystemExit(f"cluster_compression: {contender} on {hosts} hosts ({model}) did not finish within "
+                         f"--timeout {args.timeout:g} s") from None
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-4000:] + result.stderr[-4000:])
         raise SystemExit(f"cluster_compression: {contender} on {hosts} hosts failed with status {result.returncode}")
