@@ -23,6 +23,7 @@ than on hosts of their own.
 
     python benchmarks/cluster_compression.py                         # 2 and 4 hosts, 1 Gbit/s, both models
     python benchmarks/cluster_compression.py --hosts-list 2 --models resnet18 --rounds 3 --json
+    python benchmarks/cluster_compression.py --hosts h1,h2,h3,h4 -i ~/.ssh/id_ed25519 --network-interfaces eth0
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,15 +129,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(cluster: Any, hosts: int, contender: str, model: str, args: argparse.Namespace, out: str) -> dict:
-    addresses = [h.address for h in cluster.hosts[:hosts]]
+@dataclass(frozen=True)
+class Cluster:
+    """Where the runs go: host addresses, ``hora run``'s SSH flags, and its --network-interfaces value
+    (the first interface is the one the hosts' Gloo uses)."""
+
+    addresses: list[str]
+    ssh_flags: list[str]
+    interfaces: str
+
+
+def launch(cluster: Cluster, hosts: int, contender: str, model: str, args: argparse.Namespace, out: str) -> dict:
+    addresses = cluster.addresses[:hosts]
     argv = [sys.executable, "-m", "hora", "run", "-np", str(hosts), "-H", ",".join(f"{a}:1" for a in addresses),
-            *cluster.ssh_flags(), "--network-interfaces", cluster.interfaces_flag(),
+            *cluster.ssh_flags, "--network-interfaces", cluster.interfaces,
             sys.executable, str(Path(__file__).resolve()), "--worker", out, "--contender", contender,
             "--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--rank", str(args.rank),
             "--start-iter", str(args.start_iter), "--master", f"{addresses[0]}:{_free_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "hora0"})
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster.interfaces.split(",")[0]})
     try:
         result = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as exc:
@@ -149,39 +161,53 @@ def launch(cluster: Any, hosts: int, contender: str, model: str, args: argparse.
     return json.loads(Path(out).read_text())
 
 
+def measure_on(cluster: Cluster, args: argparse.Namespace, worlds: list[int], models: list[str],
+               chosen: list[str]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="hora-cluster-compression-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        for hosts in worlds:
+            for model in models:
+                runs: dict[str, list[dict]] = {c: [] for c in chosen}
+                for _ in range(args.rounds):
+                    for contender in chosen:  # in turns: the machine's noise falls on all alike
+                        runs[contender].append(launch(cluster, hosts, contender, model, args, out))
+                rows = {}
+                for contender, results in runs.items():
+                    row = {"img_sec": statistics.median(r["images_per_second"] for r in results),
+                           "rounds": [r["images_per_second"] for r in results]}
+                    sent = [r["bytes_per_step"] for r in results if "bytes_per_step" in r]
+                    if sent:
+                        row["bytes_per_step"] = statistics.median(sent)
+                    rows[contender] = row
+                ratios = {}
+                for a, b in (("hora-powersgd", "hora"), ("hora-powersgd", "ddp-powersgd"), ("hora", "ddp"),
+                             ("ddp-powersgd", "ddp")):
+                    if a in rows and b in rows:
+                        ratios[f"{a}/{b}"] = rows[a]["img_sec"] / rows[b]["img_sec"]
+                table.setdefault(str(hosts), {})[model] = {"rows": rows, "ratios": ratios}
+    return table
+
+
 def measure(args: argparse.Namespace, worlds: list[int], models: list[str], chosen: list[str]) -> dict[str, Any]:
+    if args.hosts:
+        flags = (["-p", str(args.ssh_port)] if args.ssh_port else []) + \
+            (["-i", args.ssh_identity_file] if args.ssh_identity_file else [])
+        given = Cluster([h.strip() for h in args.hosts.split(",") if h.strip()], flags, args.network_interfaces)
+        if len(given.addresses) < max(worlds):
+            raise SystemExit(f"cluster_compression: --hosts-list asks for {max(worlds)} hosts, --hosts gives "
+                             f"{len(given.addresses)}")
+        return measure_on(given, args, worlds, models, chosen)
     sys.path.insert(0, str(REPO / "tests" / "cluster"))
     from emucluster import ClusterUnavailable, EmulatedCluster  # type: ignore[import-not-found]  # tests/cluster
 
     rate = f"{int(round(args.link_gbit * 1000))}mbit"
-    table: dict[str, Any] = {}
     try:
-        with EmulatedCluster(max(worlds), rate=rate, tcp_congestion="reno") as cluster, \
-                tempfile.TemporaryDirectory(prefix="hora-cluster-compression-") as tmp:
-            out = os.path.join(tmp, "result.json")
-            for hosts in worlds:
-                for model in models:
-                    runs: dict[str, list[dict]] = {c: [] for c in chosen}
-                    for _ in range(args.rounds):
-                        for contender in chosen:  # in turns: the machine's noise falls on all alike
-                            runs[contender].append(launch(cluster, hosts, contender, model, args, out))
-                    rows = {}
-                    for contender, results in runs.items():
-                        row = {"img_sec": statistics.median(r["images_per_second"] for r in results),
-                               "rounds": [r["images_per_second"] for r in results]}
-                        sent = [r["bytes_per_step"] for r in results if "bytes_per_step" in r]
-                        if sent:
-                            row["bytes_per_step"] = statistics.median(sent)
-                        rows[contender] = row
-                    ratios = {}
-                    for a, b in (("hora-powersgd", "hora"), ("hora-powersgd", "ddp-powersgd"), ("hora", "ddp"),
-                                 ("ddp-powersgd", "ddp")):
-                        if a in rows and b in rows:
-                            ratios[f"{a}/{b}"] = rows[a]["img_sec"] / rows[b]["img_sec"]
-                    table.setdefault(str(hosts), {})[model] = {"rows": rows, "ratios": ratios}
+        with EmulatedCluster(max(worlds), rate=rate, tcp_congestion="reno") as emulated:
+            own = Cluster([h.address for h in emulated.hosts], emulated.ssh_flags(), emulated.interfaces_flag())
+            return measure_on(own, args, worlds, models, chosen)
     except ClusterUnavailable as exc:
         raise SystemExit(f"cluster_compression: cannot emulate a cluster here: {exc}") from None
-    return table
 
 
 def format_table(table: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -203,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts-list", default="2,4", help="emulated hosts, one run per count (default 2,4)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {MODELS}")
     parser.add_argument("--only", default=",".join(CONTENDERS), help=f"comma-separated subset of {CONTENDERS}")
-    parser.add_argument("--link-gbit", type=float, default=1.0, help="what the emulated links are shaped to")
+    parser.add_argument("--link-gbit", type=float, default=1.0,
+                        help="what the emulated links are shaped to (with --hosts: what yours are, for the record)")
+    parser.add_argument("--hosts", help="comma-separated hosts of an existing cluster instead of emulating one")
+    parser.add_argument("-p", "--ssh-port", type=int)
+    parser.add_argument("-i", "--ssh-identity-file")
+    parser.add_argument("--network-interfaces", default="eth0",
+                        help="with --hosts: hora run's --network-interfaces; the first is Gloo's (default eth0)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
