@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Sharded optimizer state (ZeRO stage 1), side by side: memory per rank and training speed.
+"""Sharded optimizer state and gradients (ZeRO stages 1 and 2), side by side: memory per rank and speed.
 
 Contenders, each in fresh worker processes, all with Adam:
 
 - ``hora``: ``hvd.DistributedOptimizer``, every rank holding the whole state;
 - ``hora-stage1``: ``hvd.DistributedOptimizer(..., shard_optimizer_state=True)``;
+- ``hora-stage2``: ``hvd.DistributedOptimizer(..., shard_gradients=True)``;
 - ``hora-zero``: ``hvd.ZeroRedundancyOptimizer`` (torch's API on hora);
 - ``ddp``: PyTorch DDP (Gloo) with a plain Adam;
 - ``torch-zero``: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer``.
@@ -14,12 +15,13 @@ size given. Each rank reports the optimizer state it holds, counted tensor by te
 (``hora.torch.memory_report``; the local optimizer's for torch's class), and what the operating
 system saw: how far the process's resident set grew from just before the first step (parameters
 built, optimizer wrapped, no gradient or state yet), at its peak (``ru_maxrss``) and after the last
-step. The bar (issue 33): sharded, a rank holds at most 1/N + 5% of the unsharded state.
+step. The bars (issue 33): sharded, a rank holds at most 1/N + 5% of the unsharded state, and with
+stage 2 at most 1/N + 5% of the unsharded gradients too.
 
 **Speed** (``--part speed``): images per second of ResNet-18 (64x64 images, batch 16 per worker) and
 of the 200-tensor MLP (batch 32) from examples/pytorch_synthetic_benchmark.py, the slowest rank's
-time over the timed steps, median of ``--rounds`` rounds taken in turns. The bars: stage 1 at least
-0.95x unsharded hora, and at least 1.0x torch's ZeroRedundancyOptimizer with DDP.
+time over the timed steps, median of ``--rounds`` rounds taken in turns. The bars: stages 1 and 2 at
+least 0.95x unsharded hora, and at least 1.0x torch's ZeroRedundancyOptimizer with DDP.
 
     python benchmarks/zero_memory.py                         # both parts: memory at 2 and 4 ranks, speed at 2
     python benchmarks/zero_memory.py --part memory --np 2,3,4
@@ -41,8 +43,9 @@ from typing import Any
 from rank_sync import gloo_sync, hora_sync
 from synthetic_models import SHAPES, comma_list, model_and_batch
 
-CONTENDERS = ("hora", "hora-stage1", "hora-zero", "ddp", "torch-zero")
-SHARDED = ("hora-stage1", "hora-zero", "torch-zero")
+CONTENDERS = ("hora", "hora-stage1", "hora-stage2", "hora-zero", "ddp", "torch-zero")
+SHARDED = ("hora-stage1", "hora-stage2", "hora-zero", "torch-zero")
+GRADIENTS_SHARDED = ("hora-stage2",)
 #: The memory part's model: this many Linear(WIDTH, WIDTH) layers and a 10-class head.
 WIDE_LAYERS, WIDTH = 24, 1024
 SPEED_MODELS = tuple(SHAPES)
@@ -124,7 +127,8 @@ def worker(cfg: Config) -> dict[str, float]:
         else:
             optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=cfg.lr),
                                                  named_parameters=model.named_parameters(),
-                                                 shard_optimizer_state=cfg.contender == "hora-stage1")
+                                                 shard_optimizer_state=cfg.contender == "hora-stage1",
+                                                 shard_gradients=cfg.contender == "hora-stage2")
         trained = model
         sync = hora_sync()
 
@@ -194,7 +198,11 @@ def measure_memory(worlds: list[int], steps: int, chosen: list[str],
         for contender, row in rows.items():
             if whole is not None and whole["state_bytes"]:
                 row["state_fraction"] = row["state_bytes"] / whole["state_bytes"]
-                row["within_bar"] = float(contender not in SHARDED or row["state_fraction"] <= 1 / np_ + 0.05)
+                row["gradient_fraction"] = row["gradient_bytes"] / whole["gradient_bytes"]
+                within = contender not in SHARDED or row["state_fraction"] <= 1 / np_ + 0.05
+                if contender in GRADIENTS_SHARDED:
+                    within = within and row["gradient_fraction"] <= 1 / np_ + 0.05
+                row["within_bar"] = float(within)
     return table
 
 
@@ -209,7 +217,8 @@ def measure_speed(models: list[str], np_: int, rounds: int, steps: int, warmup: 
                 result = run(Config(contender, model, steps, warmup), np_)[0]
                 seen[contender].append(batch * np_ * steps / result["seconds"])
         rows = table[model] = {c: {"img_sec": statistics.median(v), "rounds": v} for c, v in seen.items()}
-        for a, b in (("hora-stage1", "hora"), ("hora-stage1", "torch-zero"), ("hora-zero", "hora"),
+        for a, b in (("hora-stage1", "hora"), ("hora-stage1", "torch-zero"), ("hora-stage2", "hora"),
+                     ("hora-stage2", "torch-zero"), ("hora-zero", "hora"),
                      ("hora-zero", "torch-zero"), ("torch-zero", "ddp"), ("hora", "ddp")):
             if a in rows and b in rows:
                 rows.setdefault("ratios", {})[f"{a}/{b}"] = rows[a]["img_sec"] / rows[b]["img_sec"]
@@ -227,13 +236,14 @@ def format_memory(table: dict[str, dict[str, dict[str, float]]], steps: int) -> 
              f"parameters ({4 * parameters / MB:.1f} MB), Adam state {state / MB:.1f} MB unsharded; {steps} steps; "
              f"the largest rank's figures, MB",
              f"{'np':>3} {'contender':<12} {'state':>8} {'of whole':>9} {'bar 1/N+5%':>11} {'grads':>8} "
-             f"{'peak RSS +':>11} {'held RSS +':>11}"]
+             f"{'of whole':>9} {'peak RSS +':>11} {'held RSS +':>11}"]
     for np_, rows in table.items():
         for contender, row in rows.items():
             bar = "" if contender not in SHARDED else ("yes" if row.get("within_bar") else "NO")
             fraction = f"{row['state_fraction']:.3f}" if "state_fraction" in row else ""
+            gradients = f"{row['gradient_fraction']:.3f}" if "gradient_fraction" in row else ""
             lines.append(f"{np_:>3} {contender:<12} {row['state_bytes'] / MB:>8.1f} {fraction:>9} {bar:>11} "
-                         f"{row['gradient_bytes'] / MB:>8.1f} {row['peak_rss_growth'] / MB:>11.1f} "
+                         f"{row['gradient_bytes'] / MB:>8.1f} {gradients:>9} {row['peak_rss_growth'] / MB:>11.1f} "
                          f"{row['held_rss_growth'] / MB:>11.1f}")
     return lines
 

@@ -297,31 +297,53 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
 
 def _reducescatter_request(tensor: Any, name: str | None, op: int, process_set: ProcessSet,
                            prescale_factor: float, postscale_factor: float,
-                           group: str = "", group_size: int = 0) -> Request:
+                           group: str = "", group_size: int = 0, blocks: Any = None) -> Request:
     op = check_sum_or_average(op, "reducescatter")
     if type(tensor) is not np.ndarray and is_cuda(tensor):
+        split = reducescatter_splits(tuple(tensor.shape), blocks, process_set)
         return _device_request(Kind.REDUCESCATTER, tensor, name, process_set, op=op, prescale=prescale_factor,
-                               postscale=postscale_factor, group=group, group_size=group_size)
+                               postscale=postscale_factor, group=group, group_size=group_size, splits=split)
     arr = _as_array(tensor)
     if arr.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     _check_op_dtype(op, arr.dtype)
     return _request(Kind.REDUCESCATTER, name, arr, process_set, op=op,
                     prescale=float(prescale_factor), postscale=float(postscale_factor),
-                    group=group, group_size=group_size)
+                    group=group, group_size=group_size,
+                    splits=reducescatter_splits(tuple(arr.shape), blocks, process_set))
+
+
+def reducescatter_splits(shape: tuple[int, ...], blocks: Any, process_set: ProcessSet) -> tuple[int, ...]:
+    """``blocks`` checked against ``shape`` (() for Horovod's equal blocks): every member must name the
+    same blocks, which negotiation compares, so only their sum and count are checked here."""
+    if blocks is None:
+        return ()
+    if not shape:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    rows = [int(b) for b in np.asarray(blocks).reshape(-1)]
+    n = len(process_set.ranks)
+    if len(rows) != n or min(rows, default=0) < 0 or sum(rows) != shape[0]:
+        raise ValueError(f"reducescatter blocks {rows} must have {n} non-negative entries (one per member of "
+                         f"the process set) adding up to the first dimension {shape[0]}")
+    return tuple(rows)
 
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
-    """Reduce across ranks, then give rank i the i-th block of rows (earlier ranks get the remainder)."""
-    return _submit([_reducescatter_request(tensor, name, op, process_set, prescale_factor, postscale_factor)])[0]
+                        postscale_factor: float = 1.0, *, blocks: Any = None) -> Handle:
+    """Reduce across ranks, then give rank i the i-th block of rows (earlier ranks get the remainder).
+
+    ``blocks`` (a hora addition, the same on every rank): the rows each member receives, in member
+    order, where equal blocks will not do (sharded gradients give each member its own parameters)."""
+    return _submit([_reducescatter_request(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                           blocks=blocks)])[0]
 
 
 def reducescatter(tensor: Any, name: str | None = None, op: int = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> np.ndarray:
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+                  postscale_factor: float = 1.0, *, blocks: Any = None) -> np.ndarray:
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                           blocks=blocks))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None, op: int = Average,

@@ -293,24 +293,46 @@ def test_compression_accuracy_benchmark_reports_hora_topk_and_ddps_powersgd_hook
 @pytest.mark.timeout(200)
 def test_zero_memory_benchmark_reports_sharded_state_and_speed_side_by_side() -> None:
     """Both parts at their smallest: the 201.6 MB Adam state at 2 ranks, unsharded and sharded by
-    hora's stage 1, and two timed steps of the 200-tensor MLP each."""
+    hora's stage 2 (state and gradients), and two timed steps of the 200-tensor MLP each."""
     pytest.importorskip("torch")
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "zero_memory.py"), "--np", "2", "--models", "mlp200",
-         "--rounds", "1", "--steps", "2", "--warmup", "1", "--only", "hora,hora-stage1", "--json"],
+         "--rounds", "1", "--steps", "2", "--warmup", "1", "--only", "hora,hora-stage2", "--json"],
         capture_output=True, text=True, timeout=190, env=clean_env(), cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     report = json.loads(proc.stdout)
     rows = report["memory"]["2"]
     assert rows["hora"]["state_bytes"] == pytest.approx(201.6e6, rel=1e-3)  # Adam's two moments, whole
-    assert 0.45 < rows["hora-stage1"]["state_fraction"] <= 0.55, rows  # half of it on the largest rank
-    assert rows["hora-stage1"]["within_bar"] == 1.0
-    for row in rows.values():
-        assert row["gradient_bytes"] == pytest.approx(100.8e6, rel=1e-3) and row["peak_rss_growth"] > 0, row
+    assert rows["hora"]["gradient_bytes"] == pytest.approx(100.8e6, rel=1e-3)
+    sharded = rows["hora-stage2"]
+    assert 0.45 < sharded["state_fraction"] <= 0.55, rows  # half of each on the largest rank
+    assert 0.45 < sharded["gradient_fraction"] <= 0.55, rows
+    assert sharded["within_bar"] == 1.0
+    assert all(row["peak_rss_growth"] > 0 for row in rows.values()), rows
     speed = report["speed"]["mlp200"]
-    assert all(speed[c]["img_sec"] > 0 for c in ("hora", "hora-stage1")), speed
-    assert set(speed["ratios"]) == {"hora-stage1/hora"}, speed
+    assert all(speed[c]["img_sec"] > 0 for c in ("hora", "hora-stage2")), speed
+    assert set(speed["ratios"]) == {"hora-stage2/hora"}, speed
+
+
+@pytest.mark.timeout(120)
+def test_zero_same_result_benchmark_compares_the_sharded_weights_with_the_unsharded() -> None:
+    """Three steps at 3 ranks (uneven shards), stage 2 against unsharded hora: within the bar, every
+    rank alike, and the exit status says whether every row met it."""
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "zero_same_result.py"), "--np", "3", "--steps", "3",
+         "--only", "hora-stage2", "--json"],
+        capture_output=True, text=True, timeout=110, env=clean_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    report = json.loads(proc.stdout)
+    assert set(report["results"]) == {"3/adam", "3/sgd-momentum"}
+    for rows in report["results"].values():
+        assert set(rows) == {"hora", "hora-stage2"}
+        assert rows["hora"]["max_abs_diff"] == 0.0
+        row = rows["hora-stage2"]
+        assert row["max_abs_diff"] <= report["bar"] and row["within_bar"] == 1.0 and row["ranks_agree"] == 1.0, rows
 
 
 @pytest.mark.timeout(200)

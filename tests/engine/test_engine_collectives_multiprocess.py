@@ -157,6 +157,18 @@ def _collectives_job(tmpdir: str) -> dict[str, Any]:
                                                           name="rs.intavg")
     out["reducescatter_scaled"] = hora.reducescatter(data(r, (RS_ROWS,), "float32"), op=hora.Sum,
                                                      prescale_factor=2.0, postscale_factor=0.25, name="rs.scaled")
+    # Blocks named by the caller (hora's addition): one member receives nothing, the rest differ.
+    out["reducescatter_blocks"] = hora.reducescatter(data(r, (RS_ROWS, 2), "float32"), op=hora.Sum,
+                                                     name="rs.blocks", blocks=rs_blocks(n))
+    try:  # each rank names other blocks: every rank fails, naming what each named
+        hora.reducescatter(data(r, (RS_ROWS,), "float32"), name="rs.blocks.mismatch",
+                           blocks=[RS_ROWS if m == r else 0 for m in range(n)])
+    except RuntimeError as exc:
+        out["reducescatter_blocks_mismatch"] = (type(exc).__name__, str(exc))
+    try:
+        hora.reducescatter(np.ones(RS_ROWS, np.float32), name="rs.blocks.wrong_sum", blocks=[1] * n)
+    except ValueError as exc:
+        out["reducescatter_blocks_wrong_sum"] = str(exc)
     out["grouped_reducescatter"] = hora.grouped_reducescatter(
         [data(r, (5, 2), "float32", 1), data(r, (4,), "float64", 2)], op=hora.Sum, name="grs")
 
@@ -288,6 +300,12 @@ def _assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str) -> None:
     assert actual.dtype == np_dtype(dtype), (actual.dtype, dtype)
     rtol = TOLERANCE.get(dtype, 0.0)
     np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=rtol, atol=rtol)
+
+
+def rs_blocks(size: int) -> list[int]:
+    """Rows each member receives in the ``blocks`` check: none for the first, the rest to the last."""
+    middle = list(range(1, size - 1))
+    return [0, *middle, RS_ROWS - sum(middle)]
 
 
 def _rs_slices(rows: int, size: int) -> list[slice]:
@@ -459,6 +477,26 @@ def test_reducescatter_gives_earlier_ranks_the_extra_rows(job):
         _assert_close(res["reducescatter_average"], avg[slices[r]], "float64")
         _assert_close(res["reducescatter_int_average"], int_avg[slices[r]], "int32")
         _assert_close(res["reducescatter_scaled"], scaled[slices[r]], "float32")
+
+
+def test_reducescatter_gives_each_member_the_blocks_the_caller_named(job):
+    size, results, _ = job
+    starts = np.cumsum([0] + rs_blocks(size))
+    total = _expected_reduce([data(r, (RS_ROWS, 2), "float32") for r in range(size)], "Sum", "float32")
+    for r, res in enumerate(results):
+        assert res["reducescatter_blocks"].shape == (rs_blocks(size)[r], 2)
+        _assert_close(res["reducescatter_blocks"], total[starts[r]:starts[r + 1]], "float32")
+
+
+def test_reducescatter_blocks_that_ranks_disagree_on_fail_on_every_rank_naming_them(job):
+    size, results, _ = job
+    for res in results:
+        kind, message = res["reducescatter_blocks_mismatch"]
+        assert kind == "CollectivePreconditionError", message
+        assert "Mismatched REDUCESCATTER blocks" in message, message
+        for r in range(size):
+            assert f"rank {r} has {[RS_ROWS if m == r else 0 for m in range(size)]}" in message, message
+        assert "adding up to the first dimension 7" in res["reducescatter_blocks_wrong_sum"]
 
 
 def test_grouped_reducescatter(job):

@@ -32,14 +32,16 @@ def bucketable(op: Any, compression: Any) -> bool:
     return op != Adasum and compression in (Compression.none, Compression.fp16)
 
 
-def plan(sizes: Sequence[tuple[int, Hashable]], cap: int) -> list[list[int]]:
+def plan(sizes: Sequence[tuple[int, Hashable]], cap: int, singles: bool = False) -> list[list[int]]:
     """Buckets of positions into ``sizes`` (each gradient's (bytes, dtype), in submission order).
 
     Consecutive positions share a bucket while their total stays within ``cap`` and their dtype is
-    the same; only buckets of two or more are returned (a lone gradient travels as itself).
+    the same; only buckets of two or more are returned (a lone gradient travels as itself), unless
+    ``singles``: then every position is in a bucket (sharded gradients reduce nothing on its own),
+    one per position where ``cap`` is 0.
     """
     if cap <= 0:
-        return []
+        return [[i] for i in range(len(sizes))] if singles else []
     buckets: list[list[int]] = []
     total, dtype = 0, None
     for position, (nbytes, kind) in enumerate(sizes):
@@ -49,4 +51,4 @@ def plan(sizes: Sequence[tuple[int, Hashable]], cap: int) -> list[list[int]]:
         else:
             buckets.append([position])
             total, dtype = nbytes, kind
-    return [b for b in buckets if len(b) > 1]
+    return buckets if singles else [b for b in buckets if len(b) > 1]

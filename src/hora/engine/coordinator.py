@@ -201,6 +201,8 @@ class Coordinator:
         if ref.kind in (Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER):
             if any(sigs[m].shape != ref.shape for m in members):
                 return describe("shapes", lambda s: list(s.shape))
+        if ref.kind == Kind.REDUCESCATTER and any(sigs[m].splits != ref.splits for m in members):
+            return describe("blocks", lambda s: list(s.splits) if s.splits else "equal blocks")
         if ref.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
             if any(len(sigs[m].shape) == 0 for m in members):
                 return f"{kind} of tensor {name!r} needs at least one dimension"

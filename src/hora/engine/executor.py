@@ -141,6 +141,12 @@ def reducescatter_rows(rows: int, size: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(size)]
 
 
+def reducescatter_blocks(sig: Signature, size: int) -> list[int]:
+    """Rows each member receives: the request's own ``splits`` where it names them (a hora addition
+    that sharded gradients use, each member's block its own parameters), else Horovod's equal blocks."""
+    return list(sig.splits) if sig.splits else reducescatter_rows(sig.shape[0] if sig.shape else 0, size)
+
+
 class Executor:
     """Runs buckets on one communicator; ``member`` is this rank's index in it."""
 
@@ -518,7 +524,7 @@ class Executor:
         sig = item.response.signature
         dtype = sig.np_dtype
         size = self.comm.size
-        rows = reducescatter_rows(sig.shape[0] if sig.shape else 0, size)
+        rows = reducescatter_blocks(sig, size)
         row = sig.row_count
         send = np.array(item.own_request().buffer, dtype=dtype, copy=True).reshape(-1)
         _scale(send, sig.prescale)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hora.engine.executor import reducescatter_rows
+from hora.engine.executor import reducescatter_blocks
 from hora.engine.request import Kind
 from hora.errors import HorovodInternalError
 from hora.nccl.communicators import CommunicatorTable
@@ -256,7 +256,7 @@ class DeviceExecutor:
             self.ops.alltoall(comm, dev.buffer, [r * row for r in send_rows], out_buf, [r * row for r in recv_rows])
             return out, np.asarray(recv_rows, dtype=np.int64)
         if sig.kind == Kind.REDUCESCATTER:
-            rows = reducescatter_rows(sig.shape[0] if sig.shape else 0, comm.size)
+            rows = reducescatter_blocks(sig, comm.size)
             out, out_buf = dev.allocate((rows[comm.rank],) + tuple(sig.shape[1:]))
             self.ops.reducescatter(comm, dev.buffer, out_buf, [r * row for r in rows], ReduceOp(sig.op),
                                    sig.prescale, sig.postscale)

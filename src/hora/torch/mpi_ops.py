@@ -376,15 +376,18 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> TorchHandle:
+                        postscale_factor: float = 1.0, *, blocks: Sequence[int] | None = None) -> TorchHandle:
+    """``blocks`` (a hora addition): the rows each member receives, the same on every rank; None for
+    Horovod's equal blocks."""
     if tensor.is_cuda and tensor.dim():
         request = cuda_request(Kind.REDUCESCATTER, tensor, name, process_set,
                                op=horovod_args.check_sum_or_average(op, "reducescatter"),
-                               prescale=prescale_factor, postscale=postscale_factor)
+                               prescale=prescale_factor, postscale=postscale_factor,
+                               splits=collectives.reducescatter_splits(tuple(tensor.shape), blocks, process_set))
         if request is not None:
             return TorchHandle(collectives.submit_requests([request])[0], as_is)
     handle = collectives.reducescatter_async(to_host(tensor), name, op, process_set, prescale_factor,
-                                             postscale_factor)
+                                             postscale_factor, blocks=blocks)
     return TorchHandle(handle, new_one(adapter, tensor))
 
 

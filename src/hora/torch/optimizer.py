@@ -43,6 +43,11 @@ from hora.horovod_args import GradientReduction
 from hora.torch import mpi_ops
 from hora.torch.comm_hooks import GradBucket
 from hora.torch.compression import Compression
+from hora.torch.gradient_shards import (
+    COMPRESSIONS as _SHARDED_GRADIENT_COMPRESSIONS,
+    GradientShards,
+    clip_grad_norm_ as _clip_sharded_grad_norm_,
+)
 from hora.torch.powersgd import PowerSGDReducer
 from hora.torch.step_reducer import StepReducer
 from hora.torch.topk import TopKReducer
@@ -797,14 +802,61 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
                          "it is built (its hooks and shard plan cover the parameters it was given): add them "
                          "to the optimizer before wrapping it")
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter of the process set, for the averaged
+        gradients (call it between ``synchronize()`` and ``step()`` under ``skip_synchronize()``): the
+        norm is combined from each rank's shard, so it is the whole model's whether or not the
+        gradients are sharded (with ``shard_gradients=True`` torch's own function sees one shard)."""
+        return _clip_sharded_grad_norm_(self._zero, max_norm, norm_type, error_if_nonfinite)
 
-def _check_sharding_arguments(reduction: GradientReduction, stateful: StatefulCompressionSpec | None) -> None:
+
+class _GradientShardedDistributedOptimizer(_ShardedDistributedOptimizer):
+    """Mixed in for ``shard_gradients=True`` (ZeRO stage 2, which includes stage 1's sharded state).
+
+    Every gradient travels in a bucket (a parameter alone in a bucket of one where needed), and each
+    bucket, once backward has produced it, is reducescattered to the members that own its
+    parameters (:class:`~hora.torch.gradient_shards.GradientShards`); the gradients of the parameters
+    this rank does not own are released then. ``step()`` steps the shard with the averaged gradients
+    it received and allgathers the parameters, as with stage 1.
+    """
+
+    def _make_buckets(self) -> list[list]:
+        if self._excluded:
+            return []
+        params = list(reversed(self._requires_update))
+        sizes = [(p.numel() * p.element_size(), p.dtype) for p in params]
+        return [[params[i] for i in bucket]
+                for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes(), singles=True)]
+
+    def _hora_shard(self, base: type, carried: dict) -> None:
+        super()._hora_shard(base, carried)
+        self._gradient_shards = GradientShards(self._buckets, self._zero)
+
+    def _start_bucket(self, index: int) -> None:
+        params = self._buckets[index]
+        handle, finish = self._gradient_shards.start(index, f"{self._names[params[0]]}.shards{len(params)}",
+                                                     self._reduction, self._compression, self._sparse_as_dense)
+        self._pending[("bucket", index)] = _Pending(handle, finish)
+
+
+def _check_sharding_arguments(reduction: GradientReduction, stateful: StatefulCompressionSpec | None,
+                              shard_gradients: bool, compression: Any, groups: Any) -> None:
+    flag = "shard_gradients=True" if shard_gradients else "shard_optimizer_state=True"
     if reduction.op == Adasum:
-        raise ValueError("shard_optimizer_state=True does not take op=Adasum: Adasum combines every rank's "
+        raise ValueError(f"{flag} does not take op=Adasum: Adasum combines every rank's "
                          "local step of every parameter, which needs every parameter's state on every rank")
     if stateful is not None:
-        raise ValueError(f"shard_optimizer_state=True does not take {_spec_name(stateful)} yet: use "
+        raise ValueError(f"{flag} does not take {_spec_name(stateful)} yet: use "
                          "Compression.none, fp16 or bf16, or leave the state unsharded")
+    if not shard_gradients:
+        return
+    if compression not in _SHARDED_GRADIENT_COMPRESSIONS:
+        raise ValueError(f"shard_gradients=True compresses each packed bucket of gradients, so it takes the "
+                         f"element-wise Compression.none, fp16 or bf16, not {compression!r}")
+    if groups is not None:
+        raise ValueError("shard_gradients=True reduces the gradients in buckets in backward's order: num_groups "
+                         "and groups do not apply to it; leave them unset")
 
 
 def _spec_name(spec: StatefulCompressionSpec) -> str:
@@ -840,7 +892,7 @@ def _check_hook_arguments(hook: Any, reduction: GradientReduction, compression: 
     if groups is not None:
         conflicts.append("num_groups/groups")
     if shard_optimizer_state:
-        conflicts.append("shard_optimizer_state=True")
+        conflicts.append("shard_optimizer_state=True or shard_gradients=True")
     if conflicts:
         raise ValueError(f"comm_hook decides how each gradient bucket is reduced; it does not combine with "
                          f"{', '.join(conflicts)}: leave them at their defaults and do it in the hook")
@@ -852,7 +904,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set, *,
-                         shard_optimizer_state: bool = False,
+                         shard_optimizer_state: bool = False, shard_gradients: bool = False,
                          comm_hook: Callable[[GradBucket], Any] | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across all ranks.
 
@@ -863,8 +915,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     it, but each rank of ``process_set`` keeps the optimizer state of its own shard of the parameters
     only and steps only that shard; the updated parameters are then allgathered, so every rank holds
     the whole model. Checkpoint with ``consolidate_state_dict(to)`` then ``state_dict()`` on rank
-    ``to``, as with :class:`~hora.torch.ZeroRedundancyOptimizer` (docs/memory.md). Stage 2 (sharded
-    gradients) is not built.
+    ``to``, as with :class:`~hora.torch.ZeroRedundancyOptimizer` (docs/memory.md).
+
+    ``shard_gradients=True`` (a hora addition, ZeRO stage 2, which includes stage 1's sharded state):
+    each gradient bucket is reducescattered during the backward pass instead of allreduced, so a rank
+    receives the averaged gradients of its own shard only and releases the others; between steps it
+    holds 1/N of the gradients. Clip with the optimizer's ``clip_grad_norm_`` (torch's function would
+    see one shard). With ``backward_passes_per_step`` above 1 the local gradients of the whole model
+    accumulate until the last pass, as without sharding.
 
     ``comm_hook=hook`` (a hora addition, after DDP's ``register_comm_hook``): each gradient bucket goes
     to ``hook(bucket)``, which returns a future of the reduced bucket (:mod:`hora.torch.comm_hooks`);
@@ -881,10 +939,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     reduction = GradientReduction.create(op, gradient_predivide_factor, process_set)
     compression = horovod_args.check_compression(compression, stateful=True)
     stateful = compression if isinstance(compression, StatefulCompressionSpec) else None
+    shard_gradients = bool(shard_gradients)
+    shard_optimizer_state = bool(shard_optimizer_state) or shard_gradients
     if comm_hook is not None:
         _check_hook_arguments(comm_hook, reduction, compression, groups, shard_optimizer_state)
     if shard_optimizer_state:
-        _check_sharding_arguments(reduction, stateful)
+        _check_sharding_arguments(reduction, stateful, shard_gradients, compression, groups)
     if stateful is not None:
         _check_stateful_arguments(stateful, reduction, groups)
         compression = Compression.none  # the reducer compresses; nothing else does
@@ -897,6 +957,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         mixin = _DistributedStatefulOptimizer
     elif comm_hook is not None:
         mixin = _DistributedHookOptimizer
+    elif shard_gradients:
+        mixin = _GradientShardedDistributedOptimizer
     elif shard_optimizer_state:
         mixin = _ShardedDistributedOptimizer
     cls: type[object] = type(base.__name__, (mixin, base),

@@ -6,10 +6,9 @@ the same way on every rank), steps only that shard, and the updated parameters a
 
 hora has no DistributedDataParallel to average gradients before ``step()``, so ``step()`` averages
 them itself, in the form sharding wants: a reducescatter of a flat bucket laid out in shard order,
-so that the block each rank receives is exactly the averaged gradients of its own shard. hora's
-reducescatter gives every member an equal block (the first members one extra row when the length
-does not divide), while shards differ in size, so each rank's segment of the bucket is padded with
-zeros to the longest; the allgather back takes blocks of any length and needs none. Both move the
+so that the block each rank receives is exactly the averaged gradients of its own shard. Shards
+differ in size, so the reducescatter names each member's block (``blocks``, hora's addition to
+Horovod's equal blocks) and nothing is padded; the allgather back takes blocks of any length. Both move the
 runs in pieces of at most ``chunk_bytes`` per member, two collectives in flight at a time, so the
 buffers a step makes stay bounded however large the model: one flat bucket per dtype of the whole
 model would cost more memory, for the length of the step, than sharding the state saves.
@@ -185,6 +184,39 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Which member owns which parameter (positions in ``param_groups`` order)."""
         return self._plan
 
+    # What sharded gradients (hora.torch.gradient_shards) read: the members, who owns what, the name.
+
+    @property
+    def members(self) -> int:
+        """How many members share the parameters (1 on a rank outside the process set)."""
+        return self._members
+
+    @property
+    def member(self) -> int:
+        """This rank's member index."""
+        return self._me
+
+    @property
+    def process_set(self) -> ProcessSet:
+        return self._process_set
+
+    @property
+    def name(self) -> str:
+        """The prefix of this optimizer's collectives' names (the same on every member)."""
+        return self._name
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The member that owns (holds the state of, and steps) ``param``."""
+        return self._plan.owner(self._index[param])
+
+    def owned_parameters(self) -> list[torch.Tensor]:
+        """The parameters this rank owns."""
+        return [self._params[i] for i in self._owned]
+
     @property
     def state(self) -> Any:
         """This rank's optimizer state: its shard's only (torch.optim.Optimizer sets it while building)."""
@@ -279,14 +311,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             gradients = [[self._gradient(i) for i in segment] for segment in segments]
             mine = [self._own_gradient(i) for i in segments[self._me]]
             for k, bounds in enumerate(chunk_bounds(lengths, self._calls(dtype))):
-                width = max(b - a for a, b in bounds)
-                send = torch.empty(width * self._members, dtype=dtype, device=self._device)
+                blocks = [b - a for a, b in bounds]
+                send = torch.empty(sum(blocks), dtype=dtype, device=self._device)
+                offset = 0
                 for member, (a, b) in enumerate(bounds):
-                    block = send[member * width:(member + 1) * width]
-                    runs[member].pack(gradients[member], a, b, block[:b - a])
-                    block[b - a:].zero_()
+                    runs[member].pack(gradients[member], a, b, send[offset:offset + b - a])
+                    offset += b - a
                 handle = mpi_ops.reducescatter_async(send, name=f"{self._name}.grad.{_dtype_name(dtype)}.{k}",
-                                                     op=Average, process_set=self._process_set)
+                                                     op=Average, process_set=self._process_set, blocks=blocks)
                 pending.append((runs[self._me], mine, bounds[self._me], handle))
                 if len(pending) > _IN_FLIGHT:
                     self._land_gradients(*pending.popleft())
