@@ -14,8 +14,13 @@ it evenly. Each row gives the largest difference from the reference over every w
 relative to the weight's size, and whether every rank ended with the same weights. The bar (issue
 33): the same weights within fp32 round-off on 2, 3 and 4 ranks.
 
-    python benchmarks/zero_same_result.py                 # 2, 3 and 4 ranks, 50 steps
-    python benchmarks/zero_same_result.py --np 2 --steps 5 --json
+    python benchmarks/zero_same_result.py                 # 2, 3 and 4 ranks, 50 steps; resumed 4 -> 2
+    python benchmarks/zero_same_result.py --np 2 --steps 5 --resume "" --json
+
+With ``--resume 4,2`` (the default) each sharded contender also trains half the steps with Adam at 4 ranks,
+consolidates its state (``consolidate_state_dict``), and the other half at 2 ranks from that checkpoint;
+its losses and final weights are compared with the uninterrupted run at 4 ranks (the bar: a checkpoint
+saved at 4 ranks and loaded at 2 continues the same loss curve).
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ def _data(step: int) -> tuple[Any, Any]:
 
 def worker(contender: str, optimizer_name: str, steps: int) -> list[Any]:
     """Train on this rank; returns the weights it ends with."""
+    return train_span(contender, optimizer_name, 0, steps)["weights"]
+
+
+def train_span(contender: str, optimizer_name: str, first: int, steps: int, checkpoint: dict[str, Any] | None = None,
+               save: bool = False) -> dict[str, Any]:
+    """Train steps ``first .. first + steps`` on this rank, from ``checkpoint`` (weights and a consolidated
+    optimizer state) where given; returns the weights, the loss of every step averaged over the ranks
+    (the global batch's loss, whatever the world size) and, with ``save``, rank 0's checkpoint."""
     import torch
 
     import hora.torch as hvd
@@ -53,6 +66,10 @@ def worker(contender: str, optimizer_name: str, steps: int) -> list[Any]:
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(13, 40), torch.nn.Tanh(), torch.nn.Linear(40, 33), torch.nn.Tanh(),
                                 torch.nn.Linear(33, 7))
+    if checkpoint is not None:
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), checkpoint["weights"]):
+                p.copy_(w)
     cls: Any = torch.optim.Adam if optimizer_name == "adam" else torch.optim.SGD
     settings: dict[str, Any] = {"lr": 0.01} if optimizer_name == "adam" else {"lr": 0.05, "momentum": 0.9}
     if contender == "hora-zero":
@@ -61,13 +78,41 @@ def worker(contender: str, optimizer_name: str, steps: int) -> list[Any]:
         opt = hvd.DistributedOptimizer(cls(model.parameters(), **settings), named_parameters=model.named_parameters(),
                                        shard_optimizer_state=contender == "hora-stage1",
                                        shard_gradients=contender == "hora-stage2")
+    if checkpoint is not None:
+        opt.load_state_dict(checkpoint["state"])
     rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
-    for step in range(steps):
+    losses = []
+    for step in range(first, first + steps):
         x, y = _data(step)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+        losses.append(float(hvd.allreduce(loss.detach(), name="loss")))
+    out: dict[str, Any] = {"weights": [p.detach().clone() for p in model.parameters()], "losses": losses}
+    if save:
+        opt.consolidate_state_dict(to=0)
+        if r == 0:
+            out["checkpoint"] = {"weights": out["weights"], "state": opt.state_dict()}
+    return out
+
+
+def resume(contender: str, optimizer_name: str, steps: int, saved_at: int, resumed_at: int,
+           env: dict[str, str]) -> dict[str, float]:
+    """Half the steps at ``saved_at`` ranks, a consolidated checkpoint, the other half at ``resumed_at``
+    ranks from it, against all the steps at ``saved_at`` ranks: how far the resumed losses and weights are."""
+    import hora
+
+    half = steps // 2
+    whole = hora.run(train_span, args=(contender, optimizer_name, 0, steps), np=saved_at, env=env)[0]
+    saved = hora.run(train_span, args=(contender, optimizer_name, 0, half, None, True), np=saved_at, env=env)[0]
+    resumed = hora.run(train_span, args=(contender, optimizer_name, half, steps - half, saved["checkpoint"]),
+                       np=resumed_at, env=env)[0]
+    ours, theirs = resumed["losses"], whole["losses"][half:]
+    loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs))
+    weight_diff = max(float((a - b).abs().max()) for a, b in zip(resumed["weights"], whole["weights"]))
+    return {"max_rel_loss_diff": loss_diff, "max_abs_weight_diff": weight_diff,
+            "within_bar": float(weight_diff <= BAR), "final_loss": ours[-1]}
 
 
 def compare(results: dict[str, list[list[Any]]]) -> dict[str, dict[str, float]]:
@@ -92,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--np", default="2,3,4", help="world sizes (default 2,3,4)")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--resume", default="4,2", metavar="SAVED,RESUMED",
+                        help="also save a consolidated checkpoint halfway at SAVED ranks and finish at RESUMED "
+                             "ranks, against the uninterrupted run at SAVED ranks (default 4,2; '' skips it)")
     parser.add_argument("--only", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {CONTENDERS} (hora, the reference, always runs)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -103,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         for optimizer_name in OPTIMIZERS:
             results = {c: hora.run(worker, args=(c, optimizer_name, args.steps), np=np_, env=env) for c in chosen}
             report["results"][f"{np_}/{optimizer_name}"] = compare(results)
+    if args.resume:
+        saved_at, resumed_at = (int(n) for n in args.resume.split(","))
+        report["resume"] = {f"{saved_at}->{resumed_at}/adam/{c}":
+                            resume(c, "adam", args.steps, saved_at, resumed_at, env) for c in chosen if c != "hora"}
     ok = all(row["within_bar"] and row["ranks_agree"] for rows in report["results"].values() for row in rows.values())
+    ok = ok and all(row["within_bar"] for row in report.get("resume", {}).values())
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if ok else 1
@@ -114,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         for contender, row in rows.items():
             print(f"{key:<18} {contender:<12} {row['max_abs_diff']:>11.2e} {row['max_rel_diff']:>10.2e} "
                   f"{'yes' if row['ranks_agree'] else 'NO':>12} {'yes' if row['within_bar'] else 'NO':>5}")
+    if "resume" in report:
+        print(f"resumed from a consolidated checkpoint halfway, against the uninterrupted run (bar: within {BAR:g})")
+        print(f"{'run':<36} {'max rel loss diff':>18} {'max |weight diff|':>18} {'final loss':>11} {'bar':>5}")
+        for key, row in report["resume"].items():
+            print(f"{key:<36} {row['max_rel_loss_diff']:>18.2e} {row['max_abs_weight_diff']:>18.2e} "
+                  f"{row['final_loss']:>11.5f} {'yes' if row['within_bar'] else 'NO':>5}")
     return 0 if ok else 1
 
 

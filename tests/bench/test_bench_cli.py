@@ -317,12 +317,12 @@ def test_zero_memory_benchmark_reports_sharded_state_and_speed_side_by_side() ->
 
 @pytest.mark.timeout(120)
 def test_zero_same_result_benchmark_compares_the_sharded_weights_with_the_unsharded() -> None:
-    """Three steps at 3 ranks (uneven shards), stage 2 against unsharded hora: within the bar, every
-    rank alike, and the exit status says whether every row met it."""
+    """Four steps at 3 ranks (uneven shards), stage 2 against unsharded hora: within the bar, every
+    rank alike; and a checkpoint consolidated at 3 ranks halfway continues at 2 on the same curve."""
     pytest.importorskip("torch")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "zero_same_result.py"), "--np", "3", "--steps", "3",
-         "--only", "hora-stage2", "--json"],
+        [sys.executable, str(REPO / "benchmarks" / "zero_same_result.py"), "--np", "3", "--steps", "4",
+         "--only", "hora-stage2", "--resume", "3,2", "--json"],
         capture_output=True, text=True, timeout=110, env=clean_env(), cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
@@ -333,6 +333,9 @@ def test_zero_same_result_benchmark_compares_the_sharded_weights_with_the_unshar
         assert rows["hora"]["max_abs_diff"] == 0.0
         row = rows["hora-stage2"]
         assert row["max_abs_diff"] <= report["bar"] and row["within_bar"] == 1.0 and row["ranks_agree"] == 1.0, rows
+    # saved at 3 ranks after 2 steps, resumed at 2: the loss curve of the uninterrupted run at 3
+    resumed = report["resume"]["3->2/adam/hora-stage2"]
+    assert resumed["max_rel_loss_diff"] < 1e-5 and resumed["within_bar"] == 1.0, resumed
 
 
 @pytest.mark.timeout(200)

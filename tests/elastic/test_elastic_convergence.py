@@ -1,7 +1,9 @@
 """Elastic training converges like a fixed-size run: the issue's bar, checked on real processes.
 
 "With ElasticSampler, a 2->3->2-worker run on the digits data reaches the fixed-size run's test
-accuracy within 1 point, and every sample is seen exactly once per epoch."
+accuracy within 1 point, and every sample is seen exactly once per epoch." The optimizer is Adam
+with its state and gradients sharded (``shard_gradients=True``, issue 33's bar for elastic training):
+the state of the worker that leaves must reach the survivors, and each world re-plans the shards.
 
 The test starts ``hora run --min-np 2 --max-np 3 --host-discovery-script 'cat HOSTS'`` on this
 file's worker (a small MLP on scikit-learn's digits, trained under ``hvd.elastic.run`` with a
@@ -47,7 +49,7 @@ THIS = os.path.abspath(__file__)
 
 EPOCHS = 5
 BATCH = 32  # per worker
-LR = 0.1  # per worker; scaled by the world size
+LR = 0.002  # Adam's, per worker; scaled by the world size
 SEED = 42
 # (epoch, steps done in it): the two points where the worker waits for the world to change.
 HOLDS = "1:5,1:12"
@@ -108,10 +110,10 @@ def _worker(argv: list[str]) -> None:
 
         torch.manual_seed(SEED)
         model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR * hvd.size(), momentum=0.5),
-                                             named_parameters=model.named_parameters())
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR * hvd.size()),
+                                             named_parameters=model.named_parameters(), shard_gradients=True)
         sampler = hvd.elastic.ElasticSampler(range(len(labels)), shuffle=True, seed=SEED)
-        state = LoggedState(model, optimizer, train_sampler=sampler, epoch=0, batch=0, holds=0)
+        state = LoggedState(model, optimizer, train_sampler=sampler, epoch=0, batch=0, holds=0, steps=0)
 
         def on_reset() -> None:
             for group in optimizer.param_groups:
@@ -147,6 +149,7 @@ def _worker(argv: list[str]) -> None:
                     loss = F.cross_entropy(output, labels[batch], reduction="sum") / BATCH
                     loss.backward()
                     optimizer.step()
+                    state.steps += 1
                     state.pending.setdefault(state.epoch, []).extend(indices)
                     sampler.record_batch(step, BATCH)
                     state.batch += 1
@@ -160,7 +163,9 @@ def _worker(argv: list[str]) -> None:
         train(state)
         with torch.no_grad():
             accuracy = (model(test_images).argmax(1) == test_labels).double().mean().item()
-        log("done", accuracy=100.0 * accuracy)
+        index = {p: i for i, p in enumerate(model.parameters())}
+        log("done", accuracy=100.0 * accuracy, owned=sorted(index[p] for p in optimizer.state),
+            adam_steps=sorted({int(s["step"]) for s in optimizer.state.values()}), steps=state.steps)
 
     # A worker the driver starts later (for a grown world) joins the elastic run where it is.
     if args.fixed_first and basics._ctx.runtime.round.generation == 0:
@@ -363,6 +368,20 @@ def test_every_sample_is_trained_on_exactly_once_per_epoch_across_the_resets(ela
         if e["epoch"] == 1 and e["indices"] and (not sizes or sizes[-1] != e["size"]):
             sizes.append(e["size"])
     assert sizes == [2, 3, 2], sizes
+
+
+def test_each_final_rank_holds_its_shard_of_the_state_carried_through_both_resharding(
+        elastic_run: dict[str, Any], fixed_run: dict[str, Any]) -> None:
+    for run in (elastic_run, fixed_run):
+        done = [e for e in run["events"] if e["event"] == "done"]
+        assert len(done) == 2, run["output"]
+        owned = sorted(i for e in done for i in e["owned"])
+        assert owned == [0, 1, 2, 3], done  # every parameter's state on exactly one of the two ranks
+        assert all(e["owned"] for e in done), done
+        # Adam's state went on through the changes: every parameter's counts every step the run took,
+        # none restarted from zero in a new world or lost a step to a reshard.
+        for e in done:
+            assert e["adam_steps"] == [e["steps"]], done
 
 
 def test_the_elastic_run_reaches_the_fixed_size_runs_accuracy_within_1_point(

@@ -269,8 +269,10 @@ def _job(checkpoint=None) -> list:
         except RuntimeError as exc:
             out["left_bucket"] = str(exc)
         extra = [torch.nn.Parameter(torch.zeros(3))] if r == 0 else []
+        # Checked at the first collective, not when built (a rank joining an elastic job builds alone).
+        different = ZeroRedundancyOptimizer(list(make_model().parameters()) + extra, torch.optim.SGD, lr=0.1)
         try:
-            ZeroRedundancyOptimizer(list(make_model().parameters()) + extra, torch.optim.SGD, lr=0.1)
+            different.step()
         except ValueError as exc:
             out["different_params"] = str(exc)
         return out

@@ -67,6 +67,8 @@ def _job() -> dict:
     out["alltoall"] = (received.host.tolist(), np.asarray(recv_splits).tolist())
     out["reducescatter"] = hora.reducescatter(HostCudaArray(_base(r, (5, 2), 8)), op=hora.Average,
                                               name="rs").host.tolist()
+    out["reducescatter_blocks"] = hora.reducescatter(HostCudaArray(_base(r, (5, 2), 8)), op=hora.Average,
+                                                     name="rs.blocks", blocks=[1, 4]).host.tolist()
     # a host array and a device array in flight together: each takes its own path
     host_handle = hora.allreduce_async(_base(r, (7,), 9), op=hora.Sum, name="mixed.host")
     dev_handle = hora.allreduce_async(HostCudaArray(_base(r, (7,), 9)), op=hora.Sum, name="mixed.dev")
@@ -150,6 +152,7 @@ def test_gather_broadcast_alltoall_reducescatter_on_the_device_path(results):
         assert received == np.concatenate([chunks[0][rank], chunks[1][rank]]).tolist()
         assert recv_splits == ([1, 3] if rank == 0 else [2, 1])
         assert out["reducescatter"] == (reduced[:3] if rank == 0 else reduced[3:]).tolist()
+        assert out["reducescatter_blocks"] == (reduced[:1] if rank == 0 else reduced[1:]).tolist()
 
 
 def test_host_and_device_tensors_mix_in_one_job(results):

@@ -18,12 +18,14 @@ from torch.utils.data import Sampler
 
 from hora import basics
 from hora.elastic import ObjectState, run
+from hora.torch import zero_elastic
 from hora.torch.functions import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from hora.torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["run", "TorchState", "ElasticSampler"]
 
@@ -158,6 +160,56 @@ class _OptimizerHandler(_Handler):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
+def _sharded(optimizer: Any) -> ZeroRedundancyOptimizer | None:
+    """The ZeroRedundancyOptimizer behind ``optimizer`` (itself, or a sharded DistributedOptimizer's), or None."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    zero = optimizer.__dict__.get("_zero")
+    return zero if isinstance(zero, ZeroRedundancyOptimizer) else None
+
+
+class _ShardedOptimizerHandler(_Handler):
+    """A sharded optimizer's state exists once, spread over the ranks (:mod:`hora.torch.zero_elastic`):
+    a commit keeps this rank's shard and its predecessor's copy, and once the world is re-formed every
+    rank reshards from what the survivors kept, at the sync, or (where the loop skips the sync after
+    hosts were only removed) before the optimizer next moves anything."""
+
+    def __init__(self, state: TorchState, name: str) -> None:
+        self._first = True
+        super().__init__(state, name)
+
+    @property
+    def zero(self) -> ZeroRedundancyOptimizer:
+        zero = _sharded(self.value)
+        assert zero is not None  # _handler_type chose this handler for a sharded optimizer
+        return zero
+
+    def save(self) -> None:
+        # The first save is the state's construction, where a rank joining a running job stands alone.
+        self.saved = zero_elastic.snapshot(self.zero, initial=self._first)
+        self._first = False
+
+    def restore(self) -> None:
+        reset_step = getattr(self.value, "_reset_step", None)
+        if reset_step is not None:
+            reset_step()  # reductions of the failed step: their results belong to no world now
+        self._defer()
+
+    def reset(self) -> None:
+        self._defer()
+
+    def _defer(self) -> None:
+        zero, kept = self.zero, self.saved
+        self.zero.defer_reshard(lambda: zero_elastic.reshard(zero, kept))
+
+    def sync(self) -> None:
+        self.zero.defer_reshard(None)
+        reset_step = getattr(self.value, "_reset_step", None)
+        if reset_step is not None:
+            reset_step()
+        zero_elastic.reshard(self.zero, self.saved)
+
+
 class _SamplerHandler(_Handler):
     def sync(self) -> None:
         # Indices recorded with record_indices are only this rank's: unite every rank's first.
@@ -179,7 +231,7 @@ def _handler_type(value: Any) -> type[_Handler] | None:
     if isinstance(value, torch.nn.Module):
         return _ModelHandler
     if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler
+        return _ShardedOptimizerHandler if _sharded(value) is not None else _OptimizerHandler
     if isinstance(value, ElasticSampler):
         return _SamplerHandler
     if isinstance(value, _scheduler_types()):
@@ -195,8 +247,10 @@ class TorchState(ObjectState):
     ``restore()`` loads the copy back. ``sync()`` gives every rank rank 0's: parameters and buffers
     through ``broadcast_parameters``, the optimizer through ``broadcast_optimizer_state``, schedulers
     through ``broadcast_object``, and a sampler after uniting every rank's processed indices (then it
-    re-shards the epoch's remainder over the new world). Every other keyword argument is a picklable
-    attribute kept by ``ObjectState``'s rules. All are read and assigned as attributes
+    re-shards the epoch's remainder over the new world). A sharded optimizer is kept as
+    :mod:`hora.torch.zero_elastic` says: each commit keeps this rank's shard and a copy on the next
+    rank, and the re-formed world reshards from what the survivors kept. Every other keyword
+    argument is a picklable attribute kept by ``ObjectState``'s rules. All are read and assigned as attributes
     (``state.model``, ``state.epoch = 3``).
     """
 
@@ -235,3 +289,5 @@ class TorchState(ObjectState):
         for handler in self._handlers:
             if isinstance(handler.value, ElasticSampler):
                 handler.value.reset()
+            elif isinstance(handler, _ShardedOptimizerHandler):
+                handler.reset()

@@ -50,11 +50,17 @@ class GradientShards:
 
     def __init__(self, buckets: Sequence[Sequence[torch.Tensor]], zero: ZeroRedundancyOptimizer) -> None:
         self._zero = zero
+        self._buckets = buckets
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Group each bucket by owner, per the shard plan as it is now (elastic training re-plans it)."""
+        zero = self._zero
         self._me = zero.member
-        members = zero.members
+        self._version = zero.plan_version
         self._layouts = []
-        for bucket in buckets:
-            segments: list[list[torch.Tensor]] = [[] for _ in range(members)]
+        for bucket in self._buckets:
+            segments: list[list[torch.Tensor]] = [[] for _ in range(zero.members)]
             for p in bucket:
                 segments[zero.owner_of(p)].append(p)
             self._layouts.append(_BucketLayout(segments))
@@ -63,6 +69,9 @@ class GradientShards:
               sparse_as_dense: bool) -> tuple[mpi_ops.TorchHandle, Callable[[torch.Tensor], None]]:
         """Pack bucket ``index``, release the gradients this rank does not own, and start the
         reducescatter; the returned ``finish`` writes the averaged block into the owned gradients."""
+        self._zero.before_collectives()  # e.g. the first bucket after elastic training re-formed the world
+        if self._version != self._zero.plan_version:
+            self._lay_out()
         layout = self._layouts[index]
         first = next(p for segment in layout.segments for p in segment)
         flat = torch.empty(sum(layout.blocks), dtype=first.dtype, device=first.device)

@@ -29,6 +29,7 @@ import contextlib
 import warnings
 import weakref
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -829,15 +830,47 @@ class _GradientShardedDistributedOptimizer(_ShardedDistributedOptimizer):
         return [[params[i] for i in bucket]
                 for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes(), singles=True)]
 
+    #: Buckets whose reducescatter may be in flight at once. Each holds its packed copy of the local
+    #: gradients (and the engine its send buffer) until it lands; backward can outrun the network, and
+    #: without a bound the copies of every bucket (the model's size, twice) would pile up.
+    in_flight_buckets = 4
+
     def _hora_shard(self, base: type, carried: dict) -> None:
         super()._hora_shard(base, carried)
         self._gradient_shards = GradientShards(self._buckets, self._zero)
+        self._in_flight: deque[tuple[str, int]] = deque()
 
     def _start_bucket(self, index: int) -> None:
         params = self._buckets[index]
         handle, finish = self._gradient_shards.start(index, f"{self._names[params[0]]}.shards{len(params)}",
                                                      self._reduction, self._compression, self._sparse_as_dense)
-        self._pending[("bucket", index)] = _Pending(handle, finish)
+        key = ("bucket", index)
+        self._pending[key] = _Pending(handle, finish)
+        self._in_flight.append(key)
+        while len(self._in_flight) > max(1, int(self.in_flight_buckets)):
+            oldest = self._in_flight.popleft()
+            pending = self._pending[oldest]
+            pending.finish(mpi_ops.synchronize(pending.handle))
+            self._pending[oldest] = _Pending(_LANDED, _landed)  # still this step's: a second pass is refused
+
+    def _new_step(self) -> None:
+        super()._new_step()
+        self._in_flight.clear()
+
+
+class _Landed:
+    """The handle of a reduction whose result has already landed."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_LANDED = _Landed()
+
+
+def _landed(result: None) -> None:
+    """Nothing left to land: the bucket's result went into the gradients when it arrived."""
 
 
 def _check_sharding_arguments(reduction: GradientReduction, stateful: StatefulCompressionSpec | None,

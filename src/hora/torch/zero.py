@@ -108,7 +108,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._name = basics.next_name("ZeroRedundancyOptimizer", process_set) if self._included else "zero"
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._consolidated: dict[str, Any] | None = None
-        self._check_same_parameters()
+        self._plan_version = 0
+        self._pending_reshard: Callable[[], Any] | None = None
+        # Checked at the first collective rather than here: a rank that joins a running elastic job
+        # builds its optimizer alone, while the others are re-forming the world.
+        self._checked = False
         self._build()
         self._built = True
 
@@ -209,6 +213,57 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def plan_version(self) -> int:
+        """Counts :meth:`replan` calls: what a plan-derived layout compares to know it is stale."""
+        return self._plan_version
+
+    def owned_positions(self) -> range:
+        """Positions (in ``param_groups`` order) of the parameters this rank owns."""
+        return self._owned
+
+    def shard_state(self) -> dict[int, Any]:
+        """This rank's state by parameter position (what every rank's shard adds up to)."""
+        return self._shard_state()
+
+    def load_shard_state(self, by_position: Mapping[int, Any]) -> None:
+        """Load, of ``by_position`` (state by parameter position, any rank's), what this rank owns."""
+        self._load_shard(dict(by_position))
+
+    def replan(self) -> None:
+        """Plan the shards again for the process set as it is now, after elastic training re-formed the
+        world (every member calls it): the local optimizer is rebuilt empty, for
+        :meth:`load_shard_state` to fill. The collectives keep the name the set's first rank uses."""
+        process_set = self._process_set
+        self._included = process_set.included()
+        self._members = len(process_set.ranks) if self._included else 1
+        self._me = process_set.ranks.index(basics.rank()) if self._included else 0
+        if self._members > 1:
+            self._name = collectives.broadcast_object(self._name, root_rank=process_set.ranks[0],
+                                                      process_set=process_set)
+        self._consolidated = None
+        self._check_same_parameters()
+        self._checked = True
+        self._build()
+        self._plan_version += 1
+
+    def defer_reshard(self, reshard: Callable[[], Any] | None) -> None:
+        """Run ``reshard`` (a :func:`hora.torch.zero_elastic.reshard` bound to what the ranks kept)
+        before this optimizer next moves anything: elastic training re-formed the world, and every
+        member reaches that point together, where it may not reach a sync."""
+        self._pending_reshard = reshard
+
+    def before_collectives(self) -> None:
+        """What must happen, on every member, before this optimizer moves anything: the reshard
+        :meth:`defer_reshard` left (once), or else, the first time, the check that every member was
+        built over the same parameters."""
+        reshard, self._pending_reshard = self._pending_reshard, None
+        if reshard is not None:
+            reshard()
+        elif not self._checked:
+            self._check_same_parameters()
+            self._checked = True
+
     def owner_of(self, param: torch.Tensor) -> int:
         """The member that owns (holds the state of, and steps) ``param``."""
         return self._plan.owner(self._index[param])
@@ -257,6 +312,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _before_step(self) -> None:
+        self.before_collectives()
         if self._buffers:
             self._check_buffers()
         for group, local in zip(self.param_groups, self.optim.param_groups):
@@ -403,6 +459,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if not self.__dict__.get("_built"):
             return  # torch.optim.Optimizer's constructor adding the initial groups
+        self.before_collectives()
         carried = self._shard_state()  # positions stay: the new group comes last
         self._check_same_parameters()
         self._build()
@@ -436,6 +493,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._included and to not in self._process_set.ranks:
             raise ValueError(f"consolidate_state_dict(to={to}): rank {to} is not in the process set "
                              f"(ranks {self._process_set.ranks})")
+        self.before_collectives()
         shard = self._shard_state()
         if self._members == 1:  # nothing to exchange; a snapshot, as rank `to` gets elsewhere
             parts: list[Any] | None = [from_bytes(to_bytes(shard))]

@@ -2,8 +2,10 @@
 ``hora.elastic.run``, committing after every batch, printing one ``LOG {json}`` line per event.
 
 Environment:
-  ELASTIC_STATE  object (numpy weights in an ObjectState, the default) or torch (a tiny model and its
-                 optimizer in a TorchState, trained by hora.torch.DistributedOptimizer)
+  ELASTIC_STATE  object (numpy weights in an ObjectState, the default), torch (a tiny model and its
+                 optimizer in a TorchState, trained by hora.torch.DistributedOptimizer) or torch-sharded
+                 (the same with ``shard_gradients=True``: the optimizer state of a rank that fails
+                 survives only in its successor's copy)
   FAULT          none (default), raise (an exception) or kill (SIGKILL to itself)
   FAULT_MARK     a file: the fault fires once, in the rank that creates it (required with FAULT)
   FAULT_AT       "epoch,batch" where rank 0 fails (default 1,0)
@@ -32,6 +34,7 @@ import hora
 import hora.elastic
 
 STATE = os.environ.get("ELASTIC_STATE", "object")
+TORCH_STATES = ("torch", "torch-sharded")
 FAULT = os.environ.get("FAULT", "none")
 FAULT_AT = tuple(int(x) for x in os.environ.get("FAULT_AT", "1,0").split(","))
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
@@ -89,12 +92,13 @@ def serial_reference() -> np.ndarray:
 
 def main() -> int:
     hora.init()
-    if STATE == "torch":
+    if STATE in TORCH_STATES:
         import hora.torch as hvd
         from hora.torch.elastic import TorchState
 
         model, optimizer = torch_parts(seed=hora.rank())  # rank-dependent: the first sync must fix it
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             shard_gradients=STATE == "torch-sharded")
         state = TorchState(model, optimizer, epoch=0, batch=0, done=[])
         run = hvd.elastic.run
     else:
@@ -103,7 +107,7 @@ def main() -> int:
     log("start")
 
     def step(epoch: int, batch: int) -> None:
-        if STATE == "torch":
+        if STATE in TORCH_STATES:
             torch_step(state.model, state.optimizer, epoch, batch)
         else:
             grad = hora.allreduce(np.full(3, 10.0 * epoch + batch + 1 + hora.rank()), op=hora.Average,
@@ -128,9 +132,9 @@ def main() -> int:
             state.commit()
 
     train(state)
-    weights = torch_weights(state.model) if STATE == "torch" else state.w
+    weights = torch_weights(state.model) if STATE in TORCH_STATES else state.w
     fields = {"done": state.done, "checksum": [float(x) for x in weights]}
-    if STATE == "torch" and hora.rank() == 0:
+    if STATE in TORCH_STATES and hora.rank() == 0:
         fields["reference_diff"] = float(np.max(np.abs(weights - serial_reference())))
     log("done", **fields)
     hora.shutdown()

@@ -1,0 +1,82 @@
+"""Elastic training with a sharded optimizer: commits that survive a lost rank, and resharding.
+
+An unsharded optimizer's commit is a local copy on every rank, and any survivor can hand the whole
+state to the re-formed world. A sharded optimizer's state exists once, spread over the ranks, so a
+rank that fails or leaves takes its shard with it. Here each commit keeps this rank's shard and
+sends a copy of it to the next member of the process set (its successor on a ring), so the state
+survives the loss of any one rank, and of several that are not neighbours. When the world has been
+re-formed, every rank gathers what the survivors kept, the shard plan is computed for the new
+world, and each rank loads the state of the parameters it now owns. Parameters whose state no
+survivor kept (a rank and its successor both lost) raise an error naming them, rather than
+training on with their state silently reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hora.torch import mpi_ops
+from hora.torch.zero import ZeroRedundancyOptimizer
+from hora.torch.zero_state import from_bytes, gather_everywhere, to_bytes
+
+
+@dataclass
+class ShardSnapshot:
+    """What one rank kept at a commit: its shard's state and its predecessor's copy, by position.
+
+    ``covered`` names every position whose state the snapshot stands for (a position with no state
+    yet, never stepped, is covered too: it has nothing to lose). ``initial`` marks the snapshot a
+    rank takes before any commit, of an optimizer that has not trained in any world: it stands for
+    nothing (a rank that joins a running job holds only a fresh optimizer)."""
+
+    state: dict[int, Any] = field(default_factory=dict)
+    covered: set[int] = field(default_factory=set)
+    initial: bool = False
+
+
+def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnapshot:
+    """This rank's shard, copied to the CPU, and, unless ``initial``, its predecessor's, sent around
+    the ring: every member of the process set calls it at the same commit."""
+    if not initial:
+        zero.before_collectives()  # a reshard left for the first step: this commit's plan is the new one
+    own = zero.shard_state()
+    mine = ShardSnapshot(from_bytes(to_bytes(own)), set(zero.owned_positions()), initial)
+    if initial or zero.members == 1:
+        return mine
+    data = to_bytes((own, sorted(mine.covered)))
+    members = zero.process_set.ranks
+    splits = [0] * len(members)
+    splits[(zero.member + 1) % zero.members] = data.numel()
+    received, _ = mpi_ops.alltoall(data, splits=splits, process_set=zero.process_set,
+                                   name=f"{zero.name}.elastic.replica")
+    state, covered = from_bytes(received)
+    mine.state.update(state)
+    mine.covered.update(covered)
+    return mine
+
+
+def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot) -> bool:
+    """Re-plan ``zero`` for the process set as it is now and load each rank's new shard from what
+    every rank ``kept``; every member calls it. Returns False (and changes nothing) where no rank
+    kept anything: a job's first world, whose optimizers are already planned for it."""
+    contribution = ShardSnapshot() if kept.initial else kept
+    mine = (contribution.state, sorted(contribution.covered))
+    together = zero.process_set.included() and len(zero.process_set.ranks) > 1
+    parts = gather_everywhere(mine, zero.process_set) if together else [mine]
+    covered = {i for _, positions in parts for i in positions}
+    if not covered:
+        return False
+    count = len(zero.shard_plan.sizes)
+    lost = sorted(set(range(count)) - covered)
+    if lost:
+        raise RuntimeError(
+            f"the sharded optimizer state of parameters at positions {lost[:20]} (of {count}) was kept only by "
+            f"ranks that left the job: a rank and the next one in its process set were both lost between "
+            f"commits. Restart from a checkpoint written with consolidate_state_dict()")
+    merged: dict[int, Any] = {}
+    for state, _ in parts:
+        merged.update(state)
+    zero.replan()
+    zero.load_shard_state(merged)
+    return True
