@@ -330,20 +330,23 @@ def reducescatter_splits(shape: tuple[int, ...], blocks: Any, process_set: Proce
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0, *, blocks: Any = None) -> Handle:
+                        postscale_factor: float = 1.0, *, blocks: Any = None, donate: bool = False) -> Handle:
     """Reduce across ranks, then give rank i the i-th block of rows (earlier ranks get the remainder).
 
     ``blocks`` (a hora addition, the same on every rank): the rows each member receives, in member
-    order, where equal blocks will not do (sharded gradients give each member its own parameters)."""
-    return _submit([_reducescatter_request(tensor, name, op, process_set, prescale_factor, postscale_factor,
-                                           blocks=blocks)])[0]
+    order, where equal blocks will not do (sharded gradients give each member its own parameters).
+    ``donate=True`` (a hora addition): the caller gives the array up to the collective, which may
+    then read and scale it in place instead of copying it (a buffer packed for this call alone)."""
+    request = _reducescatter_request(tensor, name, op, process_set, prescale_factor, postscale_factor, blocks=blocks)
+    request.donated = bool(donate)
+    return _submit([request])[0]
 
 
 def reducescatter(tensor: Any, name: str | None = None, op: int = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0, *, blocks: Any = None) -> np.ndarray:
+                  postscale_factor: float = 1.0, *, blocks: Any = None, donate: bool = False) -> np.ndarray:
     return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor,
-                                           blocks=blocks))
+                                           blocks=blocks, donate=donate))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None, op: int = Average,

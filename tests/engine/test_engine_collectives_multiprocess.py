@@ -165,6 +165,12 @@ def _collectives_job(tmpdir: str) -> dict[str, Any]:
                            blocks=[RS_ROWS if m == r else 0 for m in range(n)])
     except RuntimeError as exc:
         out["reducescatter_blocks_mismatch"] = (type(exc).__name__, str(exc))
+    kept = data(r, (RS_ROWS,), "float32")
+    out["reducescatter_kept_input"] = (hora.reducescatter(kept, op=hora.Sum, prescale_factor=2.0, name="rs.kept"),
+                                       kept.copy())
+    given = data(r, (RS_ROWS,), "float32")
+    out["reducescatter_donated"] = hora.reducescatter(given, op=hora.Sum, prescale_factor=2.0, name="rs.donated",
+                                                      blocks=rs_blocks(n), donate=True)
     try:
         hora.reducescatter(np.ones(RS_ROWS, np.float32), name="rs.blocks.wrong_sum", blocks=[1] * n)
     except ValueError as exc:
@@ -486,6 +492,17 @@ def test_reducescatter_gives_each_member_the_blocks_the_caller_named(job):
     for r, res in enumerate(results):
         assert res["reducescatter_blocks"].shape == (rs_blocks(size)[r], 2)
         _assert_close(res["reducescatter_blocks"], total[starts[r]:starts[r + 1]], "float32")
+
+
+def test_a_donated_buffer_gives_the_same_result_and_an_undonated_one_is_left_as_it_was(job):
+    size, results, _ = job
+    doubled = _expected_reduce([data(r, (RS_ROWS,), "float32") * 2.0 for r in range(size)], "Sum", "float32")
+    starts = np.cumsum([0] + rs_blocks(size))
+    for r, res in enumerate(results):
+        result, after = res["reducescatter_kept_input"]
+        np.testing.assert_array_equal(after, data(r, (RS_ROWS,), "float32"))  # the prescale went into a copy
+        _assert_close(result, doubled[_rs_slices(RS_ROWS, size)[r]], "float32")
+        _assert_close(res["reducescatter_donated"], doubled[starts[r]:starts[r + 1]], "float32")
 
 
 def test_reducescatter_blocks_that_ranks_disagree_on_fail_on_every_rank_naming_them(job):

@@ -526,7 +526,12 @@ class Executor:
         size = self.comm.size
         rows = reducescatter_blocks(sig, size)
         row = sig.row_count
-        send = np.array(item.own_request().buffer, dtype=dtype, copy=True).reshape(-1)
+        request = item.own_request()
+        if request.donated and isinstance(request.buffer, np.ndarray) and request.buffer.dtype == dtype \
+                and request.buffer.flags.c_contiguous and request.buffer.flags.writeable:
+            send = request.buffer.reshape(-1)  # the caller's temporary: no copy of what may be a model's size
+        else:  # the caller's tensor: scaled (and read by the transport) in a copy, so it stays as it was
+            send = np.array(request.buffer, dtype=dtype, copy=True).reshape(-1)
         _scale(send, sig.prescale)
         out = np.empty((rows[self.comm.rank],) + tuple(sig.shape[1:]), dtype=dtype)
         op = _transport_op(sig)

@@ -250,7 +250,7 @@ class Request:
     (join, barrier, process-set changes).
     """
 
-    __slots__ = ("name", "signature", "buffer", "handle", "process_set_id", "output", "submitted_at")
+    __slots__ = ("name", "signature", "buffer", "handle", "process_set_id", "output", "submitted_at", "donated")
 
     def __init__(self, name: str, signature: Signature, buffer: Any, handle: Handle,
                  process_set_id: int = 0, output: np.ndarray | None = None, submitted_at: float = 0.0) -> None:
@@ -261,6 +261,9 @@ class Request:
         self.process_set_id = process_set_id
         self.output = output  # allreduce/broadcast: where the result goes (may be buffer)
         self.submitted_at = submitted_at
+        #: The caller gave ``buffer`` up (a temporary it packed for this collective): the engine may
+        #: scale it in place and hand it to the transport as it is, instead of copying it first.
+        self.donated = False
 
     def __repr__(self) -> str:
         return f"Request({self.name!r}, {self.signature!r}, process_set_id={self.process_set_id})"

@@ -90,7 +90,8 @@ class GradientShards:
         handle = mpi_ops.reducescatter_async(compressed, name=name, op=reduction.op,
                                              prescale_factor=reduction.prescale_factor,
                                              postscale_factor=reduction.postscale_factor,
-                                             process_set=reduction.process_set, blocks=layout.blocks)
+                                             process_set=reduction.process_set, blocks=layout.blocks,
+                                             donate=True)
         own, run, length = layout.segments[self._me], layout.runs[self._me], layout.blocks[self._me]
 
         def finish(result: torch.Tensor) -> None:

@@ -376,9 +376,11 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0, *, blocks: Sequence[int] | None = None) -> TorchHandle:
+                        postscale_factor: float = 1.0, *, blocks: Sequence[int] | None = None,
+                        donate: bool = False) -> TorchHandle:
     """``blocks`` (a hora addition): the rows each member receives, the same on every rank; None for
-    Horovod's equal blocks."""
+    Horovod's equal blocks. ``donate=True`` (a hora addition): ``tensor`` is a temporary the caller
+    will not touch again, which the engine may read and scale in place instead of copying."""
     if tensor.is_cuda and tensor.dim():
         request = cuda_request(Kind.REDUCESCATTER, tensor, name, process_set,
                                op=horovod_args.check_sum_or_average(op, "reducescatter"),
@@ -387,7 +389,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
         if request is not None:
             return TorchHandle(collectives.submit_requests([request])[0], as_is)
     handle = collectives.reducescatter_async(to_host(tensor), name, op, process_set, prescale_factor,
-                                             postscale_factor, blocks=blocks)
+                                             postscale_factor, blocks=blocks, donate=donate)
     return TorchHandle(handle, new_one(adapter, tensor))
 
 

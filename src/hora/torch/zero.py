@@ -374,7 +374,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     runs[member].pack(gradients[member], a, b, send[offset:offset + b - a])
                     offset += b - a
                 handle = mpi_ops.reducescatter_async(send, name=f"{self._name}.grad.{_dtype_name(dtype)}.{k}",
-                                                     op=Average, process_set=self._process_set, blocks=blocks)
+                                                     op=Average, process_set=self._process_set, blocks=blocks,
+                                                     donate=True)
                 pending.append((runs[self._me], mine, bounds[self._me], handle))
                 if len(pending) > _IN_FLIGHT:
                     self._land_gradients(*pending.popleft())
