@@ -103,6 +103,7 @@ def _job() -> list:
         ("sharded.passes2.sum.eager", case(sgd, jit=False, passes=2, grad_scale=2.0, shard_optimizer_state=True)),
         ("sharded.state", lambda: _sharded_state(hvd, optax, params)),
         ("sharded.mixed_dtypes", lambda: _sharded_mixed_dtypes(hvd, optax)),
+        ("sharded.checkpoint", lambda: _sharded_checkpoint(hvd, optax)),
     ]
 
 
@@ -162,6 +163,70 @@ def _sharded_mixed_dtypes(hvd, optax) -> dict:
     return {**runs, "initial": {k: np.asarray(v.astype(jnp.float64)) for k, v in params.items()}}
 
 
+def _sharded_checkpoint(hvd, optax) -> dict:
+    """A sharded Adam state consolidated after 5 steps at 2 ranks, then resharded at 2 ranks and at 1
+    (a process set of one rank), each continuing 5 steps, against 10 unsharded steps."""
+    import jax
+    import jax.numpy as jnp
+
+    r = hvd.rank()
+    params = {"a": jnp.linspace(-1.0, 1.0, 30, dtype=jnp.float32).reshape(5, 6),
+              "b": jnp.linspace(0.5, 2.0, 7, dtype=jnp.float32),
+              "c": jnp.linspace(0.0, 3.0, 9, dtype=jnp.float32)}
+    adam = optax.adam(0.05)
+
+    def grads(p, rank: int):
+        return jax.grad(lambda q: (jnp.sum(jnp.sin(q["a"]) * (rank + 1)) + jnp.sum(q["b"] ** 2) * (rank + 2)
+                                   + jnp.sum(jnp.cos(q["c"])) * (rank + 1)))(p)
+
+    def averaged(p, ranks):
+        return jax.tree_util.tree_map(lambda *g: sum(g) / len(g), *[grads(p, q) for q in ranks])
+
+    def steps(tx, state, p, count, mine):
+        for _ in range(count):
+            updates, state = tx.update(grads(p, mine), state, p)
+            p = optax.apply_updates(p, updates)
+        return state, p
+
+    # the reference: one process, whole batches (the average of both ranks' gradients), 10 steps
+    ref_state, ref = adam.init(params), params
+    halfway = None
+    for step in range(10):
+        updates, ref_state = adam.update(averaged(ref, (0, 1)), ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        if step == 4:
+            halfway = (ref_state, ref)
+    tx = hvd.DistributedOptimizer(adam, shard_optimizer_state=True)
+    state, p = steps(tx, tx.init(params), params, 5, r)
+    whole = hvd.consolidate_sharded_state(state, adam, p, root_rank=1)
+    on_root = whole is not None
+    whole = hvd.broadcast_object(whole, root_rank=1)
+    leaves = lambda tree: [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+    out = {"on_root": on_root, "consolidated": leaves(whole), "halfway_state": leaves(halfway[0]),
+           "reference": leaves(ref)}
+    # at 2 ranks again
+    again, q = steps(tx, hvd.reshard_state(whole, adam, p), p, 5, r)
+    out["resumed_at_2"] = leaves(q)
+    # at 1 rank: a process set of this rank alone, the whole batch's gradients
+    solos = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    try:
+        solo = solos[r]
+        one = hvd.DistributedOptimizer(adam, shard_optimizer_state=True, process_set=solo)
+        alone = hvd.reshard_state(whole, adam, p, process_set=solo)
+        out["owned_alone"] = list(alone.leaves)
+        q1 = p
+        for _ in range(5):
+            updates, alone = one.update(averaged(q1, (0, 1)), alone, q1)
+            q1 = optax.apply_updates(q1, updates)
+        out["resumed_at_1"] = leaves(q1)
+    finally:
+        hvd.barrier()
+        for solo in solos:
+            hvd.remove_process_set(solo)
+    out["owned_at_2"] = list(again.leaves)
+    return out
+
+
 @pytest.fixture(scope="module")
 def ranks2() -> JobResults:
     return run_job(_job, np=2)
@@ -188,6 +253,20 @@ def test_two_workers_match_one_worker_on_the_whole_batch_2ranks(ranks2, section)
 
 def test_fp16_compression_close_to_one_worker_2ranks(ranks2):
     _check(ranks2, "fp16", rtol=5e-3, atol=5e-4)
+
+
+def test_a_consolidated_sharded_state_is_the_unsharded_one_and_reshards_at_2_and_1_ranks_2ranks(ranks2):
+    outs = ranks2.all("sharded.checkpoint")
+    assert [out["on_root"] for out in outs] == [False, True]  # consolidated on root_rank only
+    for out in outs:
+        assert len(out["consolidated"]) == len(out["halfway_state"])  # count, mu (3 leaves), nu (3 leaves)
+        for got, want in zip(out["consolidated"], out["halfway_state"]):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        for key in ("resumed_at_2", "resumed_at_1"):
+            for got, want in zip(out[key], out["reference"]):
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=key)
+        assert out["owned_alone"] == [0, 1, 2]  # one rank owns every leaf
+    assert sorted(i for out in outs for i in out["owned_at_2"]) == [0, 1, 2]
 
 
 def test_sharded_state_holds_each_ranks_own_leaves_only_2ranks(ranks2):

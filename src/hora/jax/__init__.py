@@ -38,3 +38,7 @@ from hora.jax.mpi_ops import (
     synchronize as synchronize,
 )
 from hora.jax.optimizer import DistributedOptimizer as DistributedOptimizer
+from hora.jax.sharded_checkpoint import (
+    consolidate_sharded_state as consolidate_sharded_state,
+    reshard_state as reshard_state,
+)

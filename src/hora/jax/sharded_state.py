@@ -55,6 +55,11 @@ def _plan(leaves: list[Any], process_set: ProcessSet) -> ShardPlan:
     return plan_shards(sizes, process_set.size())
 
 
+def shard_positions(leaves: list[Any], process_set: ProcessSet) -> range:
+    """Positions (in ``tree_flatten`` order) of the leaves this rank of ``process_set`` owns."""
+    return _plan(leaves, process_set).items(process_set.rank())
+
+
 def _gather_updates(owned: dict[int, Any], leaves: list[Any], plan: ShardPlan, name: str,
                     process_set: ProcessSet) -> list[Any]:
     """Every leaf's update on every rank, from each rank's updates of the leaves it owns: per dtype, the
@@ -94,7 +99,7 @@ def sharded(inner: optax.GradientTransformationExtraArgs, reduce: Callable[[Any]
 
     def init(params: Any) -> ShardedOptimizerState:
         leaves = jax.tree_util.tree_leaves(params)
-        mine = _plan(leaves, process_set).items(process_set.rank())
+        mine = shard_positions(leaves, process_set)
         return ShardedOptimizerState(inner.init([leaves[i] for i in mine]), tuple(mine))
 
     def update(grads: Any, state: ShardedOptimizerState, params: Any = None,
