@@ -47,6 +47,14 @@ class ConvertingHandle:
         return self._value
 
 
+def completed(value: Any = None) -> ConvertingHandle:
+    """A handle whose collective has finished with ``value``: a placeholder for a caller that took
+    the original's result early and keeps a handle where its bookkeeping expects one."""
+    handle = ConvertingHandle([], as_is)
+    handle._done, handle._value = True, value
+    return handle
+
+
 def as_is(result: Any) -> Any:
     """The ``finish`` of a collective whose engine result is already the binding's output (a device
     request's tensor, made by the binding when it submitted)."""

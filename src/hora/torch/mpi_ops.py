@@ -395,25 +395,29 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
 
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor, blocks, donate):
         ctx.args = (op, process_set, prescale_factor * postscale_factor)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                               blocks=blocks, donate=donate))
 
     @staticmethod
     def backward(ctx, grad_output):
         op, ps, scale = ctx.args
-        grad = synchronize(allgather_async(grad_output.contiguous(), process_set=ps))
+        grad = synchronize(allgather_async(grad_output.contiguous(), process_set=ps))  # blocks of any size
         if op == Sum:  # Horovod's convention (same results after migrating): Sum scales by size,
             scale *= len(ps.ranks)  # Average passes the gathered gradient through
-        return (grad * scale if scale != 1.0 else grad), None, None, None, None, None
+        return (grad * scale if scale != 1.0 else grad), None, None, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Compression.none, op: int = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce across ranks and keep this rank's block of rows; differentiable."""
+                  postscale_factor: float = 1.0, *, blocks: Sequence[int] | None = None,
+                  donate: bool = False) -> torch.Tensor:
+    """Reduce across ranks and keep this rank's block of rows; differentiable. ``blocks`` and
+    ``donate`` are hora's additions (see :func:`reducescatter_async`)."""
     compressed, ctx = compression.compress(tensor)
-    out = _apply(_ReducescatterFunction, compressed, name, op, process_set, prescale_factor, postscale_factor)
+    out = _apply(_ReducescatterFunction, compressed, name, op, process_set, prescale_factor, postscale_factor,
+                 blocks, donate)
     return compression.decompress(out, ctx)
 
 

@@ -38,6 +38,7 @@ import torch
 from hora import basics, collectives, horovod_args
 from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.binding import gradient_buckets
+from hora.binding.handle import completed
 from hora.compression import PowerSGDSpec, StatefulCompressionSpec, TopKSpec
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
@@ -851,22 +852,11 @@ class _GradientShardedDistributedOptimizer(_ShardedDistributedOptimizer):
             oldest = self._in_flight.popleft()
             pending = self._pending[oldest]
             pending.finish(mpi_ops.synchronize(pending.handle))
-            self._pending[oldest] = _Pending(_LANDED, _landed)  # still this step's: a second pass is refused
+            self._pending[oldest] = _Pending(completed(), _landed)  # still this step's: a second pass is refused
 
     def _new_step(self) -> None:
         super()._new_step()
         self._in_flight.clear()
-
-
-class _Landed:
-    """The handle of a reduction whose result has already landed."""
-
-    @staticmethod
-    def wait() -> None:
-        return None
-
-
-_LANDED = _Landed()
 
 
 def _landed(result: None) -> None:
