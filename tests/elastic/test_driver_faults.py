@@ -1,7 +1,8 @@
 """The elastic launcher survives a failed worker: `hora run --min-np 2 -H localhost:N,127.0.0.1:2`.
 
-Rank 0 fails at epoch 1, batch 0: by raising an exception (a TorchState job: model and
-optimizer, unsharded and with ``shard_gradients=True``), and by SIGKILL (a numpy ObjectState job). Each time the launcher blacklists localhost
+Rank 0 fails at epoch 1, batch 0: by raising an exception (a TorchState job: model and optimizer,
+unsharded and with ``shard_gradients=True``, the latter also at epoch 0, before the first commit), and by
+SIGKILL (a numpy ObjectState job). Each time the launcher blacklists localhost
 (where the SIGKILL job also has a second worker, which it stops), and the two workers on 127.0.0.1
 re-form a world of 2 in the same processes (the next rendezvous round), roll back to their last
 commit and finish every epoch; the job exits 0. The torch job has one worker on localhost, not two:
@@ -29,10 +30,12 @@ ALL_PAIRS = [[e, b] for e in range(EPOCHS) for b in range(BATCHES)]
 STEPS_WORKER = [sys.executable, str(SCRIPTS / "steps_worker.py")]
 
 
-@pytest.mark.parametrize("fault, state, on_localhost", [("raise", "torch", 1), ("raise", "torch-sharded", 1),
-                                                       ("kill", "object", 2)])
-def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: Path, fault: str,
-                                                                       state: str, on_localhost: int) -> None:
+@pytest.mark.parametrize("fault, state, on_localhost, fault_epoch", [
+    ("raise", "torch", 1, 1), ("raise", "torch-sharded", 1, 1),
+    ("raise", "torch-sharded", 1, 0),  # before the first commit: the shards are re-planned from none kept
+    ("kill", "object", 2, 1)])
+def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: Path, fault: str, state: str,
+                                                                       on_localhost: int, fault_epoch: int) -> None:
     if state.startswith("torch"):
         pytest.importorskip("torch")
     mark = tmp_path / "fault.mark"
@@ -40,6 +43,7 @@ def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: P
     done = hora_run("--verbose", "-np", str(size), "--min-np", "2", "-H", f"localhost:{on_localhost},127.0.0.1:2",
                     "--elastic-timeout", "60",
                     "env", f"ELASTIC_STATE={state}", f"FAULT={fault}", f"FAULT_MARK={mark}",
+                    f"FAULT_AT={fault_epoch},0",
                     f"EPOCHS={EPOCHS}", f"BATCHES={BATCHES}", sys.executable, str(SCRIPTS / "epochs_worker.py"),
                     timeout=180)
     context = f"\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
@@ -50,7 +54,7 @@ def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: P
     first_gen = starts[0]["gen"]
     assert all(r["gen"] == first_gen for r in starts), context
     faults = [r for r in records if r["event"] == "fault"]
-    assert [(r["rank"], r["epoch"], r["batch"], r["size"]) for r in faults] == [(0, 1, 0, size)], context
+    assert [(r["rank"], r["epoch"], r["batch"], r["size"]) for r in faults] == [(0, fault_epoch, 0, size)], context
     failed_pid = faults[0]["pid"]
 
     # The survivors are the two workers on 127.0.0.1 (the last two ranks of the first world), in the
@@ -63,17 +67,18 @@ def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: P
 
     for pid in survivors:
         mine = [r for r in records if r["pid"] == pid]
-        # Epoch log: epoch 1 starts at the first size, fails, and resumes at size 2 in the next round.
+        # Epoch log: the failing epoch starts at the first size, fails, and resumes at size 2 in the next round.
         epochs = [(r["epoch"], r["size"], r["gen"]) for r in mine if r["event"] == "epoch"]
-        assert epochs == [(0, size, first_gen), (1, size, first_gen), (1, 2, first_gen + 1),
-                          (2, 2, first_gen + 1)], context
+        assert epochs == ([(e, size, first_gen) for e in range(fault_epoch + 1)]
+                          + [(e, 2, first_gen + 1) for e in range(fault_epoch, EPOCHS)]), context
         last_size_per_epoch = {e: world for e, world, _ in epochs}
-        assert [last_size_per_epoch[e] for e in range(EPOCHS)] == [size, 2, 2]
+        assert [last_size_per_epoch[e] for e in range(EPOCHS)] == [size if e < fault_epoch else 2
+                                                                   for e in range(EPOCHS)]
         # Training resumed from the last commit: no committed pair missing, none committed twice...
         commits = [[r["epoch"], r["batch"]] for r in mine if r["event"] == "commit"]
         assert commits == ALL_PAIRS, context
-        assert all(r["size"] == size for r in mine if r["event"] == "commit" and r["epoch"] == 0)
-        assert all(r["size"] == 2 for r in mine if r["event"] == "commit" and r["epoch"] >= 1)
+        assert all(r["size"] == size for r in mine if r["event"] == "commit" and r["epoch"] < fault_epoch)
+        assert all(r["size"] == 2 for r in mine if r["event"] == "commit" and r["epoch"] >= fault_epoch)
         # ...and the step that failed, appended before its collective, was rolled back.
         assert [r["done"] for r in mine if r["event"] == "done"] == [ALL_PAIRS], context
 
@@ -85,7 +90,7 @@ def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: P
         assert finals[0]["checksum"] == [150.0] * 3, context  # sum of 10*epoch + batch + 1
 
     failed_commits = [[r["epoch"], r["batch"]] for r in records if r["event"] == "commit" and r["pid"] == failed_pid]
-    assert failed_commits == ALL_PAIRS[:BATCHES], context
+    assert failed_commits == ALL_PAIRS[:fault_epoch * BATCHES], context
 
     # The launcher names the failed rank, its host and the cause, and blacklists the host...
     assert_rank_0_blacklisted(done.stderr, fault, failed_pid, context)

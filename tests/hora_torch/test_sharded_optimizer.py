@@ -206,6 +206,27 @@ def _job(checkpoint=None) -> list:
             out[key] = train(opt, model, 5, r, n)
         return out
 
+    def unused_on_one_rank():
+        # Many buckets (10 x 4 MiB), and one parameter the last rank does not use this step: that rank
+        # submits its bucket only in synchronize(), after every other bucket; nothing may wait for it
+        # during backward.
+        out = {}
+        for key, sharding in (("sharded", {"shard_gradients": True}), ("distributed", {})):
+            torch.manual_seed(3)
+            layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(10))
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.1),
+                                           named_parameters=named(layers, f"unused.{key}"), **sharding)
+            for s in range(2):
+                opt.zero_grad()
+                h = torch.full((2, 1024), 0.01 * (r + 1 + s))
+                for i, layer in enumerate(layers):
+                    if not (i == 4 and r == n - 1):
+                        h = torch.tanh(layer(h))
+                h.square().mean().backward()
+                opt.step()
+            out[key] = [layers[i].weight[:2, :4].detach().clone() for i in (0, 4, 9)]
+        return out
+
     def refusals():
         out = {}
 
@@ -246,6 +267,7 @@ def _job(checkpoint=None) -> list:
         ("stage2_fp16", against_unsharded(ADAM, "s2fp16", steps=15, stage=2, compression=hvd.Compression.fp16)),
         ("stage2_sum", against_unsharded(SGD_MOMENTUM, "s2sum", steps=10, stage=2, op=hvd.Sum)),
         ("stage2_clip", against_unsharded(SGD_MOMENTUM, "s2clip", steps=10, clip=0.05, stage=2)),
+        ("stage2_unused", unused_on_one_rank),
         ("state_bytes", state_bytes),
         ("closure", closure_step),
         ("state_before_wrapping", state_before_wrapping),
@@ -344,6 +366,12 @@ def test_with_sharded_gradients_each_rank_keeps_the_gradients_of_its_own_shard_o
         assert out["plain_held"] == trainable  # without sharding every rank holds every gradient
         assert out["held"] == out["owned_positions"]
     assert sorted(i for out in outs for i in out["held"]) == trainable
+
+
+def test_a_parameter_one_rank_leaves_unused_is_reduced_without_waiting_in_backward(job):
+    for r in range(job.size):
+        out = job.get("stage2_unused", r)
+        assert_close_lists(out["sharded"], out["distributed"])
 
 
 def test_each_rank_holds_its_share_of_the_optimizer_state(job):

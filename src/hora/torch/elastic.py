@@ -26,6 +26,7 @@ from hora.torch.functions import (
     broadcast_parameters,
 )
 from hora.torch.zero import ZeroRedundancyOptimizer
+from hora.torch.zero_state import hyperparameters
 
 __all__ = ["run", "TorchState", "ElasticSampler"]
 
@@ -193,21 +194,29 @@ class _ShardedOptimizerHandler(_Handler):
         reset_step = getattr(self.value, "_reset_step", None)
         if reset_step is not None:
             reset_step()  # reductions of the failed step: their results belong to no world now
-        self._defer()
+        for group, saved in zip(self.value.param_groups, self.saved.hyperparameters):
+            group.update(copy.deepcopy(saved))
+        self.zero.defer_reshard(lambda: self._reshard(world_changed=True))
 
     def reset(self) -> None:
-        self._defer()
-
-    def _defer(self) -> None:
-        zero, kept = self.zero, self.saved
-        self.zero.defer_reshard(lambda: zero_elastic.reshard(zero, kept))
+        self.zero.defer_reshard(lambda: self._reshard(world_changed=True))
 
     def sync(self) -> None:
-        self.zero.defer_reshard(None)
+        world_changed = self.zero.defer_reshard(None)
         reset_step = getattr(self.value, "_reset_step", None)
         if reset_step is not None:
             reset_step()
-        zero_elastic.reshard(self.zero, self.saved)
+        # Rank 0's settings (a joining rank's are its script's first), as broadcast_optimizer_state gives them.
+        settings = broadcast_object([hyperparameters(group) for group in self.value.param_groups], 0,
+                                    name=f"elastic.torch_state.{self.name}.hyperparameters")
+        for group, chosen in zip(self.value.param_groups, settings):
+            group.update(chosen)
+        self._reshard(world_changed)
+
+    def _reshard(self, world_changed: bool) -> None:
+        if zero_elastic.reshard(self.zero, self.saved, world_changed):
+            # The copies now follow the new ring: a rank lost before the next commit is covered too.
+            self.saved = zero_elastic.snapshot(self.zero)
 
 
 class _SamplerHandler(_Handler):
@@ -268,7 +277,9 @@ class TorchState(ObjectState):
         super().__init__(bcast_object=broadcast_object, get_rank=basics.rank, **plain)
 
     def save(self) -> None:
-        for handler in self._handlers:
+        # A sharded optimizer's snapshot is collective and may fail: taken first, so that a commit that
+        # fails there has saved nothing else either.
+        for handler in sorted(self._handlers, key=lambda h: not isinstance(h, _ShardedOptimizerHandler)):
             handler.save()
         super().save()
 

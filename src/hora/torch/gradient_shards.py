@@ -93,6 +93,7 @@ class GradientShards:
                                              process_set=reduction.process_set, blocks=layout.blocks,
                                              donate=True)
         own, run, length = layout.segments[self._me], layout.runs[self._me], layout.blocks[self._me]
+        sparse = {p: p.grad.sparse_dim() for p in own if p.grad is not None and p.grad.is_sparse}
 
         def finish(result: torch.Tensor) -> None:
             if not own:
@@ -100,6 +101,8 @@ class GradientShards:
             reduced = compression.decompress(result, ctx).reshape(-1)
             with torch.no_grad():
                 run.unpack(reduced, 0, length, [_owned_gradient(p) for p in own])
+            for p, dims in sparse.items():  # sparse_as_dense: back in sparse form, as the unsharded path gives it
+                p.grad = p.grad.to_sparse(dims)
         return handle, finish
 
 
@@ -131,6 +134,7 @@ def clip_grad_norm_(zero: ZeroRedundancyOptimizer, max_norm: float, norm_type: f
     gradients it owns, one allreduce combines them, and every rank scales the gradients it holds.
     With sharded gradients a rank holds only its shard's, so torch's own function would see a part
     of the norm; with sharded state only, every rank would count every gradient."""
+    zero.before_collectives()  # a reshard left for the step: the norm is the new plan's shards'
     max_norm, norm_type = float(max_norm), float(norm_type)
     owned = [p.grad for p in zero.owned_parameters() if p.grad is not None]
     if any(g.is_sparse for g in owned):

@@ -831,28 +831,26 @@ class _GradientShardedDistributedOptimizer(_ShardedDistributedOptimizer):
         return [[params[i] for i in bucket]
                 for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes(), singles=True)]
 
-    #: Buckets whose reducescatter may be in flight at once. Each holds its packed copy of the local
-    #: gradients (and the engine its send buffer) until it lands; backward can outrun the network, and
-    #: without a bound the copies of every bucket (the model's size, twice) would pile up.
-    in_flight_buckets = 4
-
     def _hora_shard(self, base: type, carried: dict) -> None:
         super()._hora_shard(base, carried)
         self._gradient_shards = GradientShards(self._buckets, self._zero)
         self._in_flight: deque[tuple[str, int]] = deque()
 
     def _start_bucket(self, index: int) -> None:
+        # Buckets whose reducescatter has finished land first, so that their packed buffers and results
+        # go while backward is still running. Never waiting for one here: a peer may submit a bucket
+        # only in synchronize() (a parameter it did not use), and a wait in backward would deadlock it.
+        while self._in_flight and self._pending[self._in_flight[0]].handle.poll():
+            oldest = self._in_flight.popleft()
+            pending = self._pending[oldest]
+            pending.finish(mpi_ops.synchronize(pending.handle))
+            self._pending[oldest] = _Pending(completed(), _landed)  # still this step's: a second pass is refused
         params = self._buckets[index]
         handle, finish = self._gradient_shards.start(index, f"{self._names[params[0]]}.shards{len(params)}",
                                                      self._reduction, self._compression, self._sparse_as_dense)
         key = ("bucket", index)
         self._pending[key] = _Pending(handle, finish)
         self._in_flight.append(key)
-        while len(self._in_flight) > max(1, int(self.in_flight_buckets)):
-            oldest = self._in_flight.popleft()
-            pending = self._pending[oldest]
-            pending.finish(mpi_ops.synchronize(pending.handle))
-            self._pending[oldest] = _Pending(completed(), _landed)  # still this step's: a second pass is refused
 
     def _new_step(self) -> None:
         super()._new_step()

@@ -247,11 +247,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._build()
         self._plan_version += 1
 
-    def defer_reshard(self, reshard: Callable[[], Any] | None) -> None:
+    def defer_reshard(self, reshard: Callable[[], Any] | None) -> bool:
         """Run ``reshard`` (a :func:`hora.torch.zero_elastic.reshard` bound to what the ranks kept)
         before this optimizer next moves anything: elastic training re-formed the world, and every
-        member reaches that point together, where it may not reach a sync."""
-        self._pending_reshard = reshard
+        member reaches that point together, where it may not reach a sync. None drops one left
+        before; returns whether one was left."""
+        left, self._pending_reshard = self._pending_reshard is not None, reshard
+        return left
 
     def before_collectives(self) -> None:
         """What must happen, on every member, before this optimizer moves anything: the reshard
@@ -517,6 +519,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state (from :meth:`state_dict`, or an unsharded optimizer's, saved at any world
         size): every rank passes all of it and keeps its own shard."""
+        self.before_collectives()  # a reshard left for later would load its own state over this one
         ids = saved_positions(state_dict, self.param_groups)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(hyperparameters(saved))

@@ -13,12 +13,13 @@ training on with their state silently reset.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from hora.torch import mpi_ops
 from hora.torch.zero import ZeroRedundancyOptimizer
-from hora.torch.zero_state import from_bytes, gather_everywhere, to_bytes
+from hora.torch.zero_state import from_bytes, gather_everywhere, hyperparameters, to_bytes
 
 
 @dataclass
@@ -27,12 +28,14 @@ class ShardSnapshot:
 
     ``covered`` names every position whose state the snapshot stands for (a position with no state
     yet, never stepped, is covered too: it has nothing to lose). ``initial`` marks the snapshot a
-    rank takes before any commit, of an optimizer that has not trained in any world: it stands for
-    nothing (a rank that joins a running job holds only a fresh optimizer)."""
+    rank takes when its elastic state is built, before any commit: it stands for no commit (a rank
+    that joins a running job holds only a fresh optimizer). ``hyperparameters`` are the parameter
+    groups' settings (a learning-rate schedule's place), restored with the state."""
 
     state: dict[int, Any] = field(default_factory=dict)
     covered: set[int] = field(default_factory=set)
     initial: bool = False
+    hyperparameters: list[dict[str, Any]] = field(default_factory=list)
 
 
 def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnapshot:
@@ -41,7 +44,8 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnaps
     if not initial:
         zero.before_collectives()  # a reshard left for the first step: this commit's plan is the new one
     own = zero.shard_state()
-    mine = ShardSnapshot(from_bytes(to_bytes(own)), set(zero.owned_positions()), initial)
+    mine = ShardSnapshot(from_bytes(to_bytes(own)), set(zero.owned_positions()), initial,
+                         copy.deepcopy([hyperparameters(group) for group in zero.param_groups]))
     if initial or zero.members == 1:
         return mine
     data = to_bytes((own, sorted(mine.covered)))
@@ -56,26 +60,31 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnaps
     return mine
 
 
-def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot) -> bool:
+def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, world_changed: bool) -> bool:
     """Re-plan ``zero`` for the process set as it is now and load each rank's new shard from what
-    every rank ``kept``; every member calls it. Returns False (and changes nothing) where no rank
-    kept anything: a job's first world, whose optimizers are already planned for it."""
-    contribution = ShardSnapshot() if kept.initial else kept
-    mine = (contribution.state, sorted(contribution.covered))
+    every rank ``kept``; every member calls it. ``world_changed``: this rank saw the world re-formed
+    (a restore or a reset) since the optimizer was planned.
+
+    The state loaded is the last commit's, from every rank that committed (a rank that joined holds
+    none). Where no rank has committed yet, it is each survivor's state from when its elastic state
+    was built, and the plan is redone only if some rank saw the world change: a job's first sync
+    changes nothing (returns False)."""
+    mine = (kept.state, sorted(kept.covered), kept.initial, bool(world_changed))
     together = zero.process_set.included() and len(zero.process_set.ranks) > 1
     parts = gather_everywhere(mine, zero.process_set) if together else [mine]
-    covered = {i for _, positions in parts for i in positions}
-    if not covered:
+    committed = [(state, covered) for state, covered, initial, _ in parts if not initial]
+    if not committed and not any(changed for *_, changed in parts):
         return False
-    count = len(zero.shard_plan.sizes)
-    lost = sorted(set(range(count)) - covered)
-    if lost:
-        raise RuntimeError(
-            f"the sharded optimizer state of parameters at positions {lost[:20]} (of {count}) was kept only by "
-            f"ranks that left the job: a rank and the next one in its process set were both lost between "
-            f"commits. Restart from a checkpoint written with consolidate_state_dict()")
+    if committed:
+        count = len(zero.shard_plan.sizes)
+        lost = sorted(set(range(count)) - {i for _, covered in committed for i in covered})
+        if lost:
+            raise RuntimeError(
+                f"the sharded optimizer state of parameters at positions {lost[:20]} (of {count}) was kept only "
+                f"by ranks that left the job: a rank and the next one in its process set were both lost between "
+                f"commits. Restart from a checkpoint written with consolidate_state_dict()")
     merged: dict[int, Any] = {}
-    for state, _ in parts:
+    for state, *_ in (committed or parts):
         merged.update(state)
     zero.replan()
     zero.load_shard_state(merged)

@@ -19,7 +19,8 @@ Every line carries pid, rank, size and gen (the rendezvous round). Events:
           collective, so only a restore keeps a failed step out of it), ``checksum`` the weights';
           with torch, rank 0 also gives ``reference_diff``: how far the weights are from the same
           steps trained serially without hora (every rank trains on the same batches, so a run that
-          restored and re-synced correctly matches it)
+          restored and re-synced correctly matches it), from rank 0's initial model, or, where the
+          fault came before the first commit, from the new rank 0's own
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ def torch_weights(model) -> np.ndarray:
     return np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
 
 
-def serial_reference() -> np.ndarray:
-    """Rank 0's initial model trained on every batch without hora."""
-    model, optimizer = torch_parts(seed=0)
+def serial_reference(seed: int) -> np.ndarray:
+    """The initial model of the rank seeded ``seed`` trained on every batch without hora."""
+    model, optimizer = torch_parts(seed=seed)
     for epoch in range(EPOCHS):
         for batch in range(BATCHES):
             torch_step(model, optimizer, epoch, batch)
@@ -92,6 +93,7 @@ def serial_reference() -> np.ndarray:
 
 def main() -> int:
     hora.init()
+    first_rank = hora.rank()
     if STATE in TORCH_STATES:
         import hora.torch as hvd
         from hora.torch.elastic import TorchState
@@ -135,7 +137,10 @@ def main() -> int:
     weights = torch_weights(state.model) if STATE in TORCH_STATES else state.w
     fields = {"done": state.done, "checksum": [float(x) for x in weights]}
     if STATE in TORCH_STATES and hora.rank() == 0:
-        fields["reference_diff"] = float(np.max(np.abs(weights - serial_reference())))
+        # A failure before the first commit rolls every survivor back to the model it was built with
+        # (before the first sync), and the new rank 0 hands out its own: its seed is its first rank.
+        seed = first_rank if FAULT_AT == (0, 0) and FAULT != "none" else 0
+        fields["reference_diff"] = float(np.max(np.abs(weights - serial_reference(seed))))
     log("done", **fields)
     hora.shutdown()
     return 0
