@@ -90,8 +90,11 @@ EXTRA_ALLOWED = {
     "allgather_object": {"process_set"},
     # a process set to synchronise the statistics over (the global set by default)
     "SyncBatchNorm": {"process_set"},
-    # ZeRO stage 1 behind Horovod's optimizer (keyword-only; docs/memory.md)
-    "DistributedOptimizer": {"shard_optimizer_state", "comm_hook"},
+    # ZeRO stages 1 and 2 behind Horovod's optimizer, and comm hooks (keyword-only; docs/memory.md)
+    "DistributedOptimizer": {"shard_optimizer_state", "shard_gradients", "comm_hook"},
+    # caller-named blocks (sharded gradients) and a buffer given up to the engine (keyword-only)
+    "reducescatter": {"blocks", "donate"},
+    "reducescatter_async": {"blocks", "donate"},
 }
 
 
