@@ -224,6 +224,18 @@ def _sharded_checkpoint(hvd, optax) -> dict:
         for solo in solos:
             hvd.remove_process_set(solo)
     out["owned_at_2"] = list(again.leaves)
+    # backward_passes_per_step=2: the wrapper's AggregationState around the sharded state
+    sharded2 = hvd.DistributedOptimizer(adam, shard_optimizer_state=True, backward_passes_per_step=2)
+    whole2 = hvd.DistributedOptimizer(adam, backward_passes_per_step=2)
+    s2, w2 = sharded2.init(params), whole2.init(params)
+    for _ in range(3):  # one reduced step and one pass accumulated
+        _, s2 = sharded2.update(grads(params, r), s2, params)
+        _, w2 = whole2.update(grads(params, r), w2, params)
+    consolidated2 = hvd.consolidate_sharded_state(s2, adam, params, root_rank=0)
+    if consolidated2 is not None:
+        out["passes2"] = {"type": type(consolidated2).__name__, "got": leaves(consolidated2), "want": leaves(w2),
+                          "reshard": leaves(hvd.reshard_state(consolidated2.inner, adam, params)),
+                          "own": leaves(s2.inner)}
     return out
 
 
@@ -267,6 +279,14 @@ def test_a_consolidated_sharded_state_is_the_unsharded_one_and_reshards_at_2_and
                 np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=key)
         assert out["owned_alone"] == [0, 1, 2]  # one rank owns every leaf
     assert sorted(i for out in outs for i in out["owned_at_2"]) == [0, 1, 2]
+    # with backward_passes_per_step=2 the consolidated state is the unsharded wrapper's, AggregationState and all
+    passes2 = outs[0]["passes2"]
+    assert passes2["type"] == "AggregationState"
+    assert len(passes2["got"]) == len(passes2["want"])
+    for got, want in zip(passes2["got"], passes2["want"]):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    for got, want in zip(passes2["reshard"], passes2["own"]):  # cut again at 2 ranks: rank 0's own shard
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 def test_sharded_state_holds_each_ranks_own_leaves_only_2ranks(ranks2):
