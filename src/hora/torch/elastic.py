@@ -190,10 +190,14 @@ class _ShardedOptimizerHandler(_Handler):
         self.saved = zero_elastic.snapshot(self.zero, initial=self._first)
         self._first = False
 
-    def restore(self) -> None:
+    def _drop_pending_reductions(self) -> None:
+        """Reductions of the step the world left (a DistributedOptimizer's): no world takes their results."""
         reset_step = getattr(self.value, "_reset_step", None)
         if reset_step is not None:
-            reset_step()  # reductions of the failed step: their results belong to no world now
+            reset_step()
+
+    def restore(self) -> None:
+        self._drop_pending_reductions()
         for group, saved in zip(self.value.param_groups, self.saved.hyperparameters):
             group.update(copy.deepcopy(saved))
         self.zero.defer_reshard(lambda: self._reshard(world_changed=True))
@@ -203,9 +207,7 @@ class _ShardedOptimizerHandler(_Handler):
 
     def sync(self) -> None:
         world_changed = self.zero.defer_reshard(None)
-        reset_step = getattr(self.value, "_reset_step", None)
-        if reset_step is not None:
-            reset_step()
+        self._drop_pending_reductions()
         # Rank 0's settings (a joining rank's are its script's first), as broadcast_optimizer_state gives them.
         settings = broadcast_object([hyperparameters(group) for group in self.value.param_groups], 0,
                                     name=f"elastic.torch_state.{self.name}.hyperparameters")

@@ -564,6 +564,18 @@ class _DistributedOptimizer(_OptimizerBase):
         self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
 
 
+def _every_gradient_bucketed(optimizer: _DistributedOptimizer) -> list[list]:
+    """The buckets :meth:`_DistributedOptimizer._make_buckets` plans, with a parameter alone in a bucket
+    of one where none takes it: for reductions that handle every gradient as part of a bucket (comm
+    hooks, sharded gradients), whatever the op and compression."""
+    if optimizer._excluded:
+        return []
+    params = list(reversed(optimizer._requires_update))
+    sizes = [(p.numel() * p.element_size(), p.dtype) for p in params]
+    return [[params[i] for i in bucket]
+            for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes(), singles=True)]
+
+
 def _weak_hook(optimizer: _DistributedOptimizer):
     ref = weakref.ref(optimizer)
 
@@ -692,14 +704,7 @@ class _DistributedHookOptimizer(_DistributedOptimizer):
     _comm_hook: Callable[[GradBucket], Any]
 
     def _make_buckets(self) -> list[list]:
-        if self._excluded:
-            return []
-        params = list(reversed(self._requires_update))
-        sizes = [(p.numel() * p.element_size(), p.dtype) for p in params]
-        planned = {bucket[0]: bucket for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes())}
-        covered = {i for bucket in planned.values() for i in bucket}
-        return [[params[j] for j in planned.get(i, [i])] for i in range(len(params)) if i in planned
-                or i not in covered]
+        return _every_gradient_bucketed(self)
 
     def _start_bucket(self, index: int) -> None:
         params = self._buckets[index]
@@ -824,12 +829,7 @@ class _GradientShardedDistributedOptimizer(_ShardedDistributedOptimizer):
     """
 
     def _make_buckets(self) -> list[list]:
-        if self._excluded:
-            return []
-        params = list(reversed(self._requires_update))
-        sizes = [(p.numel() * p.element_size(), p.dtype) for p in params]
-        return [[params[i] for i in bucket]
-                for bucket in gradient_buckets.plan(sizes, gradient_buckets.bucket_bytes(), singles=True)]
+        return _every_gradient_bucketed(self)
 
     def _hora_shard(self, base: type, carried: dict) -> None:
         super()._hora_shard(base, carried)

@@ -17,9 +17,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.torch import mpi_ops
 from hora.torch.zero import ZeroRedundancyOptimizer
-from hora.torch.zero_state import from_bytes, gather_everywhere, hyperparameters, to_bytes
+from hora.torch.zero_state import from_bytes, gather_everywhere, hyperparameters, send_to, to_bytes
 
 
 @dataclass
@@ -43,20 +42,18 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnaps
     the ring: every member of the process set calls it at the same commit."""
     if not initial:
         zero.before_collectives()  # a reshard left for the first step: this commit's plan is the new one
-    own = zero.shard_state()
-    mine = ShardSnapshot(from_bytes(to_bytes(own)), set(zero.owned_positions()), initial,
+    covered = sorted(zero.owned_positions())
+    data = to_bytes((zero.shard_state(), covered))  # one copy, to the CPU: kept here and sent on
+    own, _ = from_bytes(data)
+    mine = ShardSnapshot(own, set(covered), initial,
                          copy.deepcopy([hyperparameters(group) for group in zero.param_groups]))
     if initial or zero.members == 1:
         return mine
-    data = to_bytes((own, sorted(mine.covered)))
-    members = zero.process_set.ranks
-    splits = [0] * len(members)
-    splits[(zero.member + 1) % zero.members] = data.numel()
-    received, _ = mpi_ops.alltoall(data, splits=splits, process_set=zero.process_set,
-                                   name=f"{zero.name}.elastic.replica")
-    state, covered = from_bytes(received)
+    received, _ = send_to(data, (zero.member + 1) % zero.members, zero.process_set,
+                          name=f"{zero.name}.elastic.replica")
+    state, theirs = from_bytes(received)
     mine.state.update(state)
-    mine.covered.update(covered)
+    mine.covered.update(theirs)
     return mine
 
 

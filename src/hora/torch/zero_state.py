@@ -37,20 +37,26 @@ def from_bytes(data: torch.Tensor | bytes) -> Any:
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
+def send_to(data: torch.Tensor, member: int, process_set: ProcessSet,
+            name: str | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Every member sends ``data`` (bytes, :func:`to_bytes`) to member ``member`` of the set only, one
+    alltoall: what each rank received, and how many bytes came from each member."""
+    splits = [0] * len(process_set.ranks)
+    splits[member] = data.numel()
+    received, sizes = mpi_ops.alltoall(data, splits=splits, process_set=process_set, name=name)
+    return received, [int(s) for s in sizes]
+
+
 def gather_to(obj: Any, to: int, process_set: ProcessSet) -> list[Any] | None:
     """Every member's ``obj`` on rank ``to`` (in member order), None elsewhere.
 
     An alltoall in which every member sends only to ``to``: unlike an allgather, no other rank ever
     holds more than its own part, which is the point of sharding the state.
     """
-    data = to_bytes(obj)
-    splits = [0] * len(process_set.ranks)
-    splits[process_set.ranks.index(to)] = data.numel()
-    received, sizes = mpi_ops.alltoall(data, splits=splits, process_set=process_set)
+    received, sizes = send_to(to_bytes(obj), process_set.ranks.index(to), process_set)
     if basics.rank() != to:
         return None
-    pieces = torch.split(received, [int(s) for s in sizes])
-    return [from_bytes(piece) for piece in pieces]
+    return [from_bytes(piece) for piece in torch.split(received, sizes)]
 
 
 def gather_everywhere(obj: Any, process_set: ProcessSet) -> list[Any]:
