@@ -367,6 +367,41 @@ def _job() -> list:
 
         return {"difference": resumed_difference(make, lambda model, step: _psgd_loss(model, step, r))}
 
+    def rank0_checkpoint_broadcast():
+        # Horovod's resume: rank 0 loads the checkpoint, broadcast_optimizer_state gives the others its
+        # state. The reducer's step and Q must come along, or rank 1 warms up while rank 0 compresses.
+        out = {}
+        for kind, spec in (("powersgd", hvd.Compression.powersgd(rank=1, start_iter=2)),
+                           ("topk", hvd.Compression.topk(ratio=0.25))):
+            def make(kind=kind, spec=spec):
+                model = _psgd_model()
+                named = [(f"{kind}.{n}", p) for n, p in model.named_parameters()]
+                opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                               named_parameters=named, compression=spec)
+                return model, opt
+
+            model, opt = make()
+            for step in range(3):
+                opt.zero_grad()
+                _psgd_loss(model, step, r).backward()
+                opt.step()
+            saved = copy.deepcopy(opt.state_dict())
+            model, opt = make()  # the resumed job: only rank 0 reads the checkpoint
+            if r == 0:
+                opt.load_state_dict(saved)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            state = opt.state_dict()[f"hora_{kind}"]
+            shared = {"step": state["step"], "q": {k: v.tolist() for k, v in state.get("q", {}).items()}}
+            agreed = hvd.allgather_object(shared, name=f"psgd.bcast.{kind}")
+            grads = None
+            if agreed[0] == agreed[1]:  # else the next step's collectives would differ and stall
+                opt.zero_grad()
+                _psgd_loss(model, 3, r).backward()
+                opt.synchronize()
+                grads = [p.grad.detach().clone() for p in model.parameters()]
+            out[kind] = {"agreed": agreed, "grads": grads, "residuals": len(state["error"])}
+        return out
+
     def optimizer_passes_and_refusals():
         model = _psgd_model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -405,6 +440,7 @@ def _job() -> list:
             ("rank0_state_everywhere", rank0_state_everywhere), ("resnet18_bytes", resnet18_bytes),
             ("refusal", refusal), ("optimizer_matches_the_reducer", optimizer_matches_the_reducer),
             ("optimizer_checkpoint_resume", optimizer_checkpoint_resume),
+            ("rank0_checkpoint_broadcast", rank0_checkpoint_broadcast),
             ("optimizer_passes_and_refusals", optimizer_passes_and_refusals)]
 
 
@@ -547,6 +583,20 @@ def test_distributed_optimizer_with_powersgd_reduces_as_the_reducer_does_2ranks(
 def test_distributed_optimizer_with_powersgd_resumes_from_its_checkpoint_exactly_2ranks(job: JobResults) -> None:
     for rank in range(2):
         assert job.get("optimizer_checkpoint_resume", rank)["difference"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["powersgd", "topk"])
+def test_broadcast_optimizer_state_gives_every_rank_the_roots_reducer_step_and_q_2ranks(
+        job: JobResults, kind: str) -> None:
+    """Horovod's resume (rank 0 loads the checkpoint, then broadcast_optimizer_state): every rank then
+    reduces in step with the root, and rank 1 keeps no residual it does not own."""
+    first, second = (job.get("rank0_checkpoint_broadcast", rank)[kind] for rank in range(2))
+    assert first["agreed"][0] == first["agreed"][1], first["agreed"]
+    assert first["agreed"][0]["step"] == 3
+    if kind == "powersgd":
+        assert first["agreed"][0]["q"], first["agreed"]
+    assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
+    assert second["residuals"] == 0
 
 
 def test_distributed_optimizer_with_powersgd_accumulates_passes_and_refuses_what_it_cannot_do_2ranks(

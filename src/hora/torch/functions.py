@@ -10,7 +10,7 @@ import torch
 from hora import collectives
 from hora.basics import ProcessSet, global_process_set
 from hora.torch import mpi_ops
-from hora.torch.optimizer import _DistributedOptimizer, _ShardedDistributedOptimizer
+from hora.torch.optimizer import _DistributedOptimizer, _DistributedStatefulOptimizer, _ShardedDistributedOptimizer
 from hora.torch.zero import ZeroRedundancyOptimizer
 
 
@@ -110,6 +110,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                 if name in scalars:
                     optimizer.state[p][key] = scalars[name]
             index += 1
+    if isinstance(optimizer, _DistributedStatefulOptimizer):
+        # PowerSGD's or top-k's step count and shared factors: without them a rank that joined a
+        # running job would warm up while the others compress, and their collectives would differ.
+        reducer = optimizer._step_reducer
+        reducer.load_shared_state(collectives.broadcast_object(reducer.shared_state(), root_rank,
+                                                               name="broadcast.optimizer.reducer"))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,

@@ -242,6 +242,14 @@ class PowerSGDReducer(StepReducer):
                 "world": list(self._world) if self._world is not None else None,
                 "q": dict(self._q), "error": dict(self._error)}
 
+    def shared_state(self) -> dict[str, Any]:
+        """The step count and Q (the same on every rank, coming out of an allreduce)."""
+        return {**super().shared_state(), "q": dict(self._q)}
+
+    def load_shared_state(self, state: Mapping[str, Any]) -> None:
+        super().load_shared_state(state)
+        self._q = {k: v.detach().clone() for k, v in state["q"].items()}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result (copied, so the caller's tensors stay theirs).
 

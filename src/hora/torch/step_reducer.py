@@ -118,6 +118,20 @@ class StepReducer(ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; residuals only when they are this rank's own."""
 
+    def shared_state(self) -> dict[str, Any]:
+        """The part of the state every rank of the set holds alike: the step count (PowerSGD adds its Q).
+
+        ``broadcast_optimizer_state`` gives every rank the root's, so that a rank that joins a running
+        job (an elastic world that grew) takes the same branch (warm-up or compressed) and, with
+        PowerSGD, multiplies by the same Q as the others. Residuals are not part of it: they are each
+        rank's own."""
+        return {"step": self._step}
+
+    def load_shared_state(self, state: Mapping[str, Any]) -> None:
+        """Take :meth:`shared_state`'s result (the root's); this rank's residuals stay as they are, and
+        :meth:`reduce` drops them if they were made in another world."""
+        self._step = int(state["step"])
+
     def _check(self, entries: list[tuple[str, torch.Tensor]]) -> None:
         who = f"{type(self).__name__}.reduce"
         names = [n for n, _ in entries]
