@@ -6,7 +6,9 @@ Arguments, defaults and errors follow Horovod 0.28.1's public API.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, overload
 
 import cloudpickle
@@ -17,7 +19,7 @@ from hora.basics import Adasum, Average, ProcessSet, global_process_set
 from hora.device_requests import cuda_request, is_cuda
 from hora.engine import adasum
 from hora.engine.executor import reducescatter_rows
-from hora.engine.request import Handle, Kind, Request, dtype_name, signature
+from hora.engine.request import Handle, Kind, Request, dtype_name, signature, with_through_join
 from hora.horovod_args import check_sum_or_average, resolve_op
 from hora.transport.base import SUPPORTED_DTYPES
 
@@ -43,7 +45,26 @@ def _check_op_dtype(op: int, dtype: np.dtype) -> None:
         raise TypeError("Average is not defined for bool tensors; use Sum (logical or) or Min (logical and)")
 
 
+_THROUGH_JOIN: ContextVar[bool] = ContextVar("hora_through_join", default=False)
+
+
+@contextmanager
+def through_join() -> Iterator[None]:
+    """Collectives submitted inside this block (in this thread or task) run through join: every rank
+    takes part, a joined one included, and negotiation waits for it (hora's sharded optimizers, whose
+    joined ranks keep stepping their shards: :mod:`hora.torch.sharded_join`). Every rank must submit
+    such a collective the same way; ranks that disagree fail negotiation, naming it."""
+    token = _THROUGH_JOIN.set(True)
+    try:
+        yield
+    finally:
+        _THROUGH_JOIN.reset(token)
+
+
 def _submit(requests: list[Request]) -> list[Handle]:
+    if _THROUGH_JOIN.get():
+        for request in requests:
+            request.signature = with_through_join(request.signature)
     return basics.engine().submit(requests)
 
 
@@ -374,7 +395,13 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join(device: int = -1) -> int:
     """Declare this rank out of data; it contributes zeros until every rank joins. Returns the last to join."""
-    return int(synchronize(basics.submit_control(Kind.JOIN, basics.next_name("join"))))
+    return int(synchronize(join_async()))
+
+
+def join_async() -> Handle:
+    """:func:`join` started: the handle's result is the last rank to join (for a binding that keeps
+    working while joined, as hora.torch does for its sharded optimizers)."""
+    return basics.submit_control(Kind.JOIN, basics.next_name("join"))
 
 
 def poll(handle: Handle) -> bool:

@@ -78,6 +78,40 @@ def test_coordinator_rejects_non_allreduce_while_ranks_have_joined():
     assert response.error is not None and "join" in response.error and "[1]" in response.error
 
 
+def test_coordinator_waits_for_a_joined_rank_on_a_collective_that_runs_through_join():
+    # Sharded optimizers: a rank out of data still steps its shard, so their collectives wait for it
+    # and take its data, reducescatter and allgather included, while plain allreduces count it as zeros.
+    c = Coordinator([0, 1, 2])
+    c.submit(2, [("j", JOIN)])
+    through = Signature(Kind.REDUCESCATTER, "float32", (6,), through_join=True)
+    c.submit(0, [("rs", through), ("plain", ar())])
+    c.submit(1, [("rs", through), ("plain", ar())])
+    [plain] = c.ready()
+    assert plain.name == "plain" and plain.joined == (2,)
+    report = c.stalls(now=1e9, warn_after=1.0, fail_after=0.0)
+    assert any("'rs'" in w and "[2]" in w for w in report.warnings), report.warnings
+    c.submit(2, [("rs", through)])
+    [rs] = c.ready()
+    assert rs.error is None and rs.joined == () and rs.cacheable
+
+
+def test_coordinator_names_ranks_that_disagree_on_running_through_join():
+    c = Coordinator([0, 1])
+    c.submit(0, [("a", ar(through_join=True))])
+    c.submit(1, [("a", ar())])
+    [response] = c.ready()
+    assert response.error is not None and "join participation" in response.error, response.error
+
+
+def test_through_join_travels_in_the_interned_signature():
+    import pickle
+
+    sig = signature(Kind.ALLGATHER, "float32", (3, 2), through_join=True)
+    assert sig is signature(Kind.ALLGATHER, "float32", (3, 2), through_join=True)
+    assert sig != signature(Kind.ALLGATHER, "float32", (3, 2))
+    assert pickle.loads(pickle.dumps(sig)) is sig
+
+
 def test_coordinator_releases_a_group_only_when_complete():
     c = Coordinator([0, 1])
     g = dict(group="grp", group_size=3)

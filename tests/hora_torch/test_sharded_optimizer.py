@@ -227,6 +227,26 @@ def _job(checkpoint=None) -> list:
             out[key] = [layers[i].weight[:2, :4].detach().clone() for i in (0, 4, 9)]
         return out
 
+    def join_uneven():
+        # Uneven data: rank r has 12 - 3r batches, then calls hvd.join(). Horovod's rule (a joined
+        # rank's gradients count as zeros in the average) decides the last rank's weights; sharded, the
+        # joined ranks keep stepping their shards, and every rank ends with those weights.
+        out = {}
+        steps = 12 - 3 * r
+        for key, kwargs in (("distributed", {}), ("stage1", {"shard_optimizer_state": True}),
+                            ("stage2", {"shard_gradients": True})):
+            model = make_model()
+            opt = wrap(model, ADAM, f"join.{key}", **kwargs)
+            train(opt, model, steps, r, n)
+            last = hvd.join()
+            out[key] = {"weights": weights(model), "last": last}
+        model = make_model()
+        opt = hvd.ZeroRedundancyOptimizer(model.parameters(), ADAM[0], **ADAM[1])
+        train(opt, model, steps, r, n)
+        last = hvd.join()
+        out["zero"] = {"weights": weights(model), "last": last}
+        return out
+
     def refusals():
         out = {}
 
@@ -268,6 +288,7 @@ def _job(checkpoint=None) -> list:
         ("stage2_sum", against_unsharded(SGD_MOMENTUM, "s2sum", steps=10, stage=2, op=hvd.Sum)),
         ("stage2_clip", against_unsharded(SGD_MOMENTUM, "s2clip", steps=10, clip=0.05, stage=2)),
         ("stage2_unused", unused_on_one_rank),
+        ("join", join_uneven),
         ("state_bytes", state_bytes),
         ("closure", closure_step),
         ("state_before_wrapping", state_before_wrapping),
@@ -372,6 +393,20 @@ def test_a_parameter_one_rank_leaves_unused_is_reduced_without_waiting_in_backwa
     for r in range(job.size):
         out = job.get("stage2_unused", r)
         assert_close_lists(out["sharded"], out["distributed"])
+
+
+def test_with_uneven_data_joined_ranks_keep_stepping_their_shards(job):
+    """hvd.join() with a sharded optimizer (stages 1 and 2, and the standalone ZeroRedundancyOptimizer):
+    the rank with the most data ends where the unsharded DistributedOptimizer under Horovod's join
+    ends, and the ranks that joined early hold the same weights (they received every step's)."""
+    reference = job.get("join", 0)["distributed"]
+    for key in ("stage1", "stage2", "zero"):
+        for r in range(job.size):
+            got = job.get("join", r)[key]
+            assert got["last"] == 0, (key, r, got["last"])  # rank 0 had the most data: it joined last
+            assert_close_lists(got["weights"], reference["weights"])
+            assert all(torch.equal(a, b) for a, b in zip(got["weights"], job.get("join", 0)[key]["weights"]))
+    assert all(job.get("join", r)["distributed"]["last"] == 0 for r in range(job.size))
 
 
 def test_each_rank_holds_its_share_of_the_optimizer_state(job):

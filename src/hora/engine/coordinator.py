@@ -119,13 +119,19 @@ class Coordinator:
                 self._counter += 1
             entry.signatures[member] = sig
 
+    def _needed(self, entry: _Pending) -> range | list[int]:
+        """The members whose request ``entry`` waits for: the non-joined ones, or every member for a
+        collective that runs through join."""
+        if not self._joined or next(iter(entry.signatures.values())).through_join:
+            return range(self.size)
+        return [m for m in range(self.size) if m not in self._joined]
+
     def ready(self) -> list[Response]:
-        """Responses for every name now ready on all non-joined members, in first-seen order."""
-        needed = [m for m in range(self.size) if m not in self._joined]
+        """Responses for every name now ready on all the members it needs, in first-seen order."""
         complete = {
             name
             for name, entry in self._pending.items()
-            if all(m in entry.signatures for m in needed) and entry.signatures
+            if entry.signatures and all(m in entry.signatures for m in self._needed(entry))
         }
         # A grouped collective is released only when all of its members are ready.
         groups: dict[str, list[str]] = {}
@@ -150,7 +156,7 @@ class Coordinator:
         sigs = entry.signatures
         members = sorted(sigs)
         ref = sigs[members[0]]
-        joined = tuple(self._joined)
+        joined = () if ref.through_join else tuple(self._joined)
         error = self._disagreement(name, sigs)
         if error is None and joined and ref.kind != Kind.ALLREDUCE:
             error = (
@@ -194,6 +200,7 @@ class Coordinator:
             ("groups", lambda s: s.group or "none"),
             ("paths (HORA_NCCL; whether NCCL loads on each rank)",
              lambda s: "NCCL on the device" if s.device else "host memory"),
+            ("join participation", lambda s: "through join" if s.through_join else "joined ranks give zeros"),
         ]
         for label, value_of in checks:
             if any(value_of(sigs[m]) != value_of(ref) for m in members):
@@ -228,10 +235,9 @@ class Coordinator:
         """Names waiting too long with some members missing: warnings, and a fatal message past the limit."""
         warnings: list[str] = []
         fatal: str | None = None
-        needed = [m for m in range(self.size) if m not in self._joined]
         for name, entry in self._pending.items():
             waited = now - entry.first_seen
-            missing = [self.members[m] for m in needed if m not in entry.signatures]
+            missing = [self.members[m] for m in self._needed(entry) if m not in entry.signatures]
             if not missing:
                 continue
             if fail_after > 0 and waited >= fail_after and fatal is None:

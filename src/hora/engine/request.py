@@ -62,11 +62,16 @@ class Signature:
     #: "" for the host path (the CPU transports), "cuda" for NCCL on the device (hora.nccl.path):
     #: part of the signature so that ranks which chose different paths fail negotiation, naming both.
     device: str = ""
+    #: Every member takes part, joined or not (see :func:`hora.basics` join): a joined rank submits it
+    #: too, with its own data, and negotiation waits for it. Sharded optimizers use it so that a rank
+    #: out of data still steps its shard of the state.
+    through_join: bool = False
 
     @cached_property
     def _key(self) -> tuple[object, ...]:
         return (self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
-                self.group, self.group_size, self.splits, self.set_ranks, self.set_id, self.device)
+                self.group, self.group_size, self.splits, self.set_ranks, self.set_id, self.device,
+                self.through_join)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -84,7 +89,7 @@ class Signature:
         # coordinator's and the cache's comparisons stay identity checks.
         return (_unpickle_signature, (self.kind.value, self.dtype, self.shape, int(self.op), self.root,
                                       self.prescale, self.postscale, self.group, self.group_size, self.splits,
-                                      self.set_ranks, self.set_id, self.device))
+                                      self.set_ranks, self.set_id, self.device, self.through_join))
 
     @cached_property
     def count(self) -> int:
@@ -110,15 +115,23 @@ _INTERN_LIMIT = 1 << 16  # distinct signatures kept; past it the table starts ov
 
 def signature(kind: Kind, dtype: str, shape: tuple[int, ...], op: ReduceOp = ReduceOp.SUM, root: int = -1,
               prescale: float = 1.0, postscale: float = 1.0, group: str = "", group_size: int = 0,
-              splits: tuple[int, ...] = (), device: str = "") -> Signature:
+              splits: tuple[int, ...] = (), device: str = "", through_join: bool = False) -> Signature:
     """The shared :class:`Signature` with these fields (created on first use)."""
-    key = (kind, dtype, shape, op, root, prescale, postscale, group, group_size, splits, device)
+    key = (kind, dtype, shape, op, root, prescale, postscale, group, group_size, splits, device, through_join)
     sig = _INTERNED.get(key)
     if sig is None:
         if len(_INTERNED) >= _INTERN_LIMIT:
             _INTERNED.clear()
-        sig = _INTERNED[key] = Signature(*key[:10], device=device)
+        sig = _INTERNED[key] = Signature(*key[:10], device=device, through_join=through_join)
     return sig
+
+
+def with_through_join(sig: Signature) -> Signature:
+    """``sig`` with ``through_join`` set (interned like any other)."""
+    if sig.through_join:
+        return sig
+    return signature(sig.kind, sig.dtype, sig.shape, sig.op, sig.root, sig.prescale, sig.postscale, sig.group,
+                     sig.group_size, sig.splits, sig.device, True)
 
 
 _KINDS = {kind.value: kind for kind in Kind}
@@ -127,12 +140,12 @@ _OPS = {int(op): op for op in ReduceOp}
 
 def _unpickle_signature(kind: str, dtype: str, shape: tuple[int, ...], op: int, root: int, prescale: float,
                         postscale: float, group: str, group_size: int, splits: tuple[int, ...],
-                        set_ranks: tuple[int, ...], set_id: int, device: str) -> Signature:
+                        set_ranks: tuple[int, ...], set_id: int, device: str, through_join: bool) -> Signature:
     if set_ranks or set_id >= 0:  # process-set changes are not interned (see process_set_signature)
         return Signature(_KINDS[kind], dtype, shape, _OPS[op], root, prescale, postscale, group, group_size,
-                         splits, set_ranks, set_id, device)
+                         splits, set_ranks, set_id, device, through_join)
     return signature(_KINDS[kind], dtype, shape, _OPS[op], root, prescale, postscale, group, group_size, splits,
-                     device)
+                     device, through_join)
 
 
 def process_set_signature(ranks: tuple[int, ...] = (), set_id: int = -1) -> Signature:

@@ -34,7 +34,6 @@ from hora.torch.mpi_ops import (
     grouped_allreduce_async_ as grouped_allreduce_async_,
     grouped_reducescatter as grouped_reducescatter,
     grouped_reducescatter_async as grouped_reducescatter_async,
-    join as join,
     poll as poll,
     reducescatter as reducescatter,
     reducescatter_async as reducescatter_async,
@@ -42,6 +41,7 @@ from hora.torch.mpi_ops import (
     synchronize as synchronize,
 )
 from hora.torch.optimizer import DistributedOptimizer as DistributedOptimizer
+from hora.torch.sharded_join import join as join
 from hora.torch.sync_batch_norm import SyncBatchNorm as SyncBatchNorm
 from hora.torch.zero import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
 from hora.torch.zero_memory import MemoryReport as MemoryReport, memory_report as memory_report

@@ -42,7 +42,7 @@ from hora.binding.handle import completed
 from hora.compression import PowerSGDSpec, StatefulCompressionSpec, TopKSpec
 from hora.errors import HoraError
 from hora.horovod_args import GradientReduction
-from hora.torch import mpi_ops
+from hora.torch import mpi_ops, sharded_join
 from hora.torch.comm_hooks import GradBucket
 from hora.torch.compression import Compression
 from hora.torch.gradient_shards import (
@@ -773,6 +773,41 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
                                              **self.defaults)
         if carried:  # state the optimizer had before it was wrapped: each rank keeps its shard's
             self._zero.keep_owned_state(carried)
+        sharded_join.unregister(self._zero)  # hvd.join() drives this optimizer, hooks and all
+        if self._process_set.included() and self._process_set.size() > 1:
+            sharded_join.register(self)
+
+    # ---- hvd.join() (hora.torch.sharded_join) -----------------------------------------------------
+
+    @property
+    def join_probe_name(self) -> str:
+        return self._zero.join_probe_name
+
+    @property
+    def join_process_set(self) -> ProcessSet:
+        return self._process_set
+
+    def _start_reduction(self, key: Any, p: torch.Tensor) -> None:
+        with collectives.through_join():
+            super()._start_reduction(key, p)
+
+    def synchronize(self) -> None:
+        """Finish this step's reductions, first probing for ranks in ``hvd.join()``, which take part
+        in the step with zero gradients (:mod:`hora.torch.sharded_join`)."""
+        probe = None if self._excluded or self._process_set.size() == 1 else sharded_join.start_probe(self, True)
+        with collectives.through_join():
+            super().synchronize()
+        if probe is not None:
+            mpi_ops.synchronize(probe)
+
+    def serve_joined_step(self) -> None:
+        """On a rank in ``hvd.join()``: the others' step, with zero gradients from this rank."""
+        for p in self._requires_update:
+            p.grad = None  # reduced as zeros
+        with collectives.through_join():
+            _DistributedOptimizer.synchronize(self)
+        with self.skip_synchronize():
+            self.step()
 
     @property
     def state(self) -> Any:

@@ -26,7 +26,7 @@ from hora import basics, collectives
 from hora.basics import Average, ProcessSet, global_process_set
 from hora.binding.shard_plan import ShardPlan, chunk_bounds, plan_shards
 from hora.errors import CollectivePreconditionError, UnsupportedOperationError
-from hora.torch import mpi_ops
+from hora.torch import mpi_ops, sharded_join
 from hora.torch.flat_run import FlatRun
 from hora.torch.zero_state import (
     from_bytes,
@@ -115,6 +115,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._checked = False
         self._build()
         self._built = True
+        if self._included and self._members > 1:
+            sharded_join.register(self)
 
     # ---- the shard plan and the local optimizer ---------------------------------------------------
 
@@ -293,25 +295,54 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         With a ``closure``, each call the local optimizer makes of it is followed by the averaging,
         and a scalar loss is averaged too, so every rank's optimizer sees the same loss. Optimizers
         whose update couples parameters (L-BFGS, a global gradient norm) see only their shard.
+
+        A rank that has run out of data calls ``hvd.join()``, which keeps stepping its shard while the
+        others train (:mod:`hora.torch.sharded_join`); each step starts with the join probe for that.
         """
-        self._before_step()
-        if closure is None:
-            self._reduce_gradients()
-            loss = self.optim.step(**kwargs)
-        else:
-            loss = self.optim.step(self._averaging(closure), **kwargs)
-        self._gather_parameters()
+        probe = sharded_join.start_probe(self, training=True) if self._members > 1 else None
+        loss = self._step(closure, **kwargs)
+        if probe is not None:
+            mpi_ops.synchronize(probe)
+        return loss
+
+    def _step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+        with collectives.through_join():
+            self._before_step()
+            if closure is None:
+                self._reduce_gradients()
+                loss = self.optim.step(**kwargs)
+            else:
+                loss = self.optim.step(self._averaging(closure), **kwargs)
+            self._gather_parameters()
         return loss
 
     def step_averaged(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Step this rank's shard with the gradients as they are, then gather every shard's updated
         parameters: for a caller that has averaged every gradient already (hora.torch's
         ``DistributedOptimizer(shard_optimizer_state=True)``, whose hooks allreduce them). A ``closure``
-        is passed to the local optimizer as it is (the caller averages inside it)."""
-        self._before_step()
-        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
-        self._gather_parameters()
+        is passed to the local optimizer as it is (the caller averages inside it). The caller probes
+        for joined ranks (:mod:`hora.torch.sharded_join`)."""
+        with collectives.through_join():
+            self._before_step()
+            loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+            self._gather_parameters()
         return loss
+
+    # ---- hvd.join() (hora.torch.sharded_join) -----------------------------------------------------
+
+    @property
+    def join_probe_name(self) -> str:
+        return f"{self._name}.join_probe"
+
+    @property
+    def join_process_set(self) -> ProcessSet:
+        return self._process_set
+
+    def serve_joined_step(self) -> None:
+        """On a rank in ``hvd.join()``: the others' step, with zero gradients from this rank."""
+        for p in self._params:
+            p.grad = None  # packed as zeros
+        self._step(None)
 
     def _before_step(self) -> None:
         self.before_collectives()
