@@ -267,7 +267,46 @@ def _state_sections() -> Sections:
         state.sync()
         return [p.sum().item() for p in state.model.parameters()]
 
-    return [("restore", restore), ("sync", sync), ("reassigned", follows_reassigned_model)]
+    return [("restore", restore), ("sync", sync), ("reassigned", follows_reassigned_model),
+            ("partial_commit", _partial_commit)]
+
+
+def _partial_commit() -> dict[str, Any]:
+    """A sharded optimizer's commit that completed on rank 1 and not on rank 0, as a rank lost during
+    the commit's exchange can leave it: emulated by putting back what rank 0 kept at the commit before
+    (its model and its shard). The re-formed world takes rank 0's model, so every rank must load the
+    optimizer state of that same commit, rank 1 included, though rank 1 kept a newer one."""
+    import copy
+
+    rank = hora.rank()
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                         named_parameters=[(f"partial.{n}", p) for n, p in model.named_parameters()],
+                                         shard_optimizer_state=True)
+    state = TorchState(model, optimizer)
+    handlers = {h.name: h for h in state._handlers}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+
+    def whole_state() -> dict[str, Any]:
+        optimizer.consolidate_state_dict(0)
+        if rank != 0:
+            return {}
+        return {p: {k: v.tolist() for k, v in s.items()} for p, s in optimizer.state_dict()["state"].items()}
+
+    _train_step(model, optimizer, x)
+    state.commit()
+    at_first = whole_state()
+    first = (handlers["optimizer"].saved, copy.deepcopy(handlers["model"].saved))
+    _train_step(model, optimizer, x)
+    state.commit()
+    at_second = whole_state()
+    if rank == 0:
+        handlers["optimizer"].saved, handlers["model"].saved = first
+    _train_step(model, optimizer, x)  # not committed: rolled back
+    state.restore()
+    state.sync()
+    return {"restored": whole_state(), "first": at_first, "second": at_second}
 
 
 def test_restore_gives_back_the_committed_model_optimizer_scheduler_sampler_and_attributes(
@@ -287,6 +326,13 @@ def test_sync_gives_every_rank_rank_0s_model_optimizer_scheduler_and_attributes(
     assert {30, 31} <= zero["snapshot"]["sampler"]["processed_indices"]
     _assert_partition([zero["shard"], one["shard"]],
                       set(range(40)) - zero["snapshot"]["sampler"]["processed_indices"])
+
+
+def test_after_a_commit_that_completed_on_some_ranks_only_every_shard_comes_from_rank_0s_commit(
+        torch_job: JobResults) -> None:
+    got = torch_job.get("partial_commit", 0)
+    assert got["first"] != got["second"]  # the commits differ, so the check can tell them apart
+    assert got["restored"] == got["first"]
 
 
 def test_state_follows_a_reassigned_model(torch_job: JobResults) -> None:

@@ -187,7 +187,7 @@ class _ShardedOptimizerHandler(_Handler):
 
     def save(self) -> None:
         # The first save is the state's construction, where a rank joining a running job stands alone.
-        self.saved = zero_elastic.snapshot(self.zero, initial=self._first)
+        self.saved = zero_elastic.snapshot(self.zero, initial=self._first, after=None if self._first else self.saved)
         self._first = False
 
     def _drop_pending_reductions(self) -> None:
@@ -216,9 +216,11 @@ class _ShardedOptimizerHandler(_Handler):
         self._reshard(world_changed)
 
     def _reshard(self, world_changed: bool) -> None:
-        if zero_elastic.reshard(self.zero, self.saved, world_changed):
+        resharded, commit = zero_elastic.reshard(self.zero, self.saved, world_changed)
+        if resharded:
             # The copies now follow the new ring: a rank lost before the next commit is covered too.
-            self.saved = zero_elastic.snapshot(self.zero)
+            # Numbered as the commit it restored, so every rank (a joining one too) counts alike.
+            self.saved = zero_elastic.snapshot(self.zero, commit=commit if commit is not None else 0)
 
 
 class _SamplerHandler(_Handler):

@@ -9,6 +9,12 @@ re-formed, every rank gathers what the survivors kept, the shard plan is compute
 world, and each rank loads the state of the parameters it now owns. Parameters whose state no
 survivor kept (a rank and its successor both lost) raise an error naming them, rather than
 training on with their state silently reset.
+
+A commit is numbered, and each rank keeps its last two. A rank that fails during a commit's
+exchange may leave the commit done on some ranks and not on others, and the re-formed world takes
+the model, the sampler and the counters from rank 0 (``TorchState.sync``). So the reshard takes
+every rank's shard of the commit that member 0 of the process set last completed, which every
+survivor holds either as its last commit or as the one before.
 """
 
 from __future__ import annotations
@@ -35,18 +41,34 @@ class ShardSnapshot:
     covered: set[int] = field(default_factory=set)
     initial: bool = False
     hyperparameters: list[dict[str, Any]] = field(default_factory=list)
+    commit: int = -1  #: the commit's number, the same on every rank of the world
+    previous: ShardSnapshot | None = None  #: the commit before, kept in case this one failed elsewhere
+
+    def versions(self) -> dict[int, tuple[dict[int, Any], list[int]]]:
+        """The state and covered positions of each commit this rank holds, by commit number."""
+        out = {}
+        for kept in (self, self.previous):
+            if kept is not None and not kept.initial:
+                out[kept.commit] = (kept.state, sorted(kept.covered))
+        return out
 
 
-def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnapshot:
+def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False, after: ShardSnapshot | None = None,
+             commit: int | None = None) -> ShardSnapshot:
     """This rank's shard, copied to the CPU, and, unless ``initial``, its predecessor's, sent around
-    the ring: every member of the process set calls it at the same commit."""
+    the ring: every member of the process set calls it at the same commit. ``after`` is the last
+    snapshot taken (kept as ``previous``); the commit is numbered one past it unless ``commit`` says."""
     if not initial:
         zero.before_collectives()  # a reshard left for the first step: this commit's plan is the new one
     covered = sorted(zero.owned_positions())
     data = to_bytes((zero.shard_state(), covered))  # one copy, to the CPU: kept here and sent on
     own, _ = from_bytes(data)
+    number = commit if commit is not None else (after.commit + 1 if after is not None else 0)
+    previous = copy.copy(after) if after is not None and not after.initial else None
+    if previous is not None:
+        previous.previous = None  # two commits are kept, not the whole history
     mine = ShardSnapshot(own, set(covered), initial,
-                         copy.deepcopy([hyperparameters(group) for group in zero.param_groups]))
+                         copy.deepcopy([hyperparameters(group) for group in zero.param_groups]), number, previous)
     if initial or zero.members == 1:
         return mine
     received, _ = send_to(data, (zero.member + 1) % zero.members, zero.process_set,
@@ -57,32 +79,42 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False) -> ShardSnaps
     return mine
 
 
-def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, world_changed: bool) -> bool:
+def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, world_changed: bool) -> tuple[bool, int | None]:
     """Re-plan ``zero`` for the process set as it is now and load each rank's new shard from what
     every rank ``kept``; every member calls it. ``world_changed``: this rank saw the world re-formed
-    (a restore or a reset) since the optimizer was planned.
+    (a restore or a reset) since the optimizer was planned. Returns whether it resharded, and the
+    number of the commit it loaded (None: no rank had committed).
 
-    The state loaded is the last commit's, from every rank that committed (a rank that joined holds
-    none). Where no rank has committed yet, it is each survivor's state from when its elastic state
-    was built, and the plan is redone only if some rank saw the world change: a job's first sync
-    changes nothing (returns False)."""
-    mine = (kept.state, sorted(kept.covered), kept.initial, bool(world_changed))
+    The state loaded is the commit member 0 last completed, from every rank that holds it (a rank
+    that joined holds none). Where no rank has committed yet, it is each survivor's state from when
+    its elastic state was built, and the plan is redone only if some rank saw the world change: a
+    job's first sync changes nothing."""
+    versions = kept.versions()
+    # First what each rank holds (small), then only the state of the commit chosen.
+    held = ({commit: covered for commit, (_, covered) in versions.items()}, kept.initial, kept.commit,
+            bool(world_changed))
     together = zero.process_set.included() and len(zero.process_set.ranks) > 1
-    parts = gather_everywhere(mine, zero.process_set) if together else [mine]
-    committed = [(state, covered) for state, covered, initial, _ in parts if not initial]
-    if not committed and not any(changed for *_, changed in parts):
-        return False
-    if committed:
+    parts = gather_everywhere(held, zero.process_set) if together else [held]
+    # The commit member 0 last completed: the one whose model and counters the sync spreads.
+    target = next((commit for _, initial, commit, _ in parts if not initial), None)
+    holders = [] if target is None else [covers[target] for covers, *_ in parts if target in covers]
+    if not holders and not any(changed for *_, changed in parts):
+        return False, target
+    if holders:
         count = len(zero.shard_plan.sizes)
-        lost = sorted(set(range(count)) - {i for _, covered in committed for i in covered})
+        lost = sorted(set(range(count)) - {i for covered in holders for i in covered})
         if lost:
             raise RuntimeError(
                 f"the sharded optimizer state of parameters at positions {lost[:20]} (of {count}) was kept only "
                 f"by ranks that left the job: a rank and the next one in its process set were both lost between "
                 f"commits. Restart from a checkpoint written with consolidate_state_dict()")
+        mine = versions[target][0] if target in versions else {}
+    else:
+        mine = kept.state  # nobody has committed: each survivor's state from when it was built
+    states = gather_everywhere(mine, zero.process_set) if together else [mine]
     merged: dict[int, Any] = {}
-    for state, *_ in (committed or parts):
+    for state in states:
         merged.update(state)
     zero.replan()
     zero.load_shard_state(merged)
-    return True
+    return True, target
