@@ -39,6 +39,13 @@ def _parse_nonneg_int(text: str) -> int:
     return value
 
 
+def _parse_pos_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _parse_pos_float(text: str) -> float:
     value = float(text.strip())
     if value <= 0:
@@ -208,6 +215,9 @@ KNOBS: tuple[Knob, ...] = (
          "driver opens, instead of opening the next round with the same ranks."),
     Knob("elastic_reset_limit", None, _parse_nonneg_int,
          "Most resets one hora.elastic.run call may make before it stops (unset: no limit).", horovod_alias=False),
+    Knob("elastic_shard_copies", 1, _parse_pos_int,
+         "Copies of each rank's sharded optimizer state that an elastic commit keeps on the next ranks "
+         "(the state survives that many neighbouring ranks lost between commits).", horovod_alias=False),
     Knob("elastic_removal_grace", 3.0, _parse_nonneg_float,
          "Seconds a host must be missing from discovery before the elastic driver shrinks the world "
          "(a flaky answer costs no reset).", horovod_alias=False),

@@ -1,8 +1,9 @@
 """The elastic launcher survives a failed worker: `hora run --min-np 2 -H localhost:N,127.0.0.1:2`.
 
 Rank 0 fails at epoch 1, batch 0: by raising an exception (a TorchState job: model and optimizer,
-unsharded and with ``shard_gradients=True``, the latter also at epoch 0, before the first commit), and by
-SIGKILL (a numpy ObjectState job). Each time the launcher blacklists localhost
+unsharded and with ``shard_gradients=True``, the latter also at epoch 0, before the first commit, and
+with two workers on the failed host, which are lost together), and by SIGKILL (a numpy ObjectState
+job). Each time the launcher blacklists localhost
 (where the SIGKILL job also has a second worker, which it stops), and the two workers on 127.0.0.1
 re-form a world of 2 in the same processes (the next rendezvous round), roll back to their last
 commit and finish every epoch; the job exits 0. The torch job has one worker on localhost, not two:
@@ -30,12 +31,15 @@ ALL_PAIRS = [[e, b] for e in range(EPOCHS) for b in range(BATCHES)]
 STEPS_WORKER = [sys.executable, str(SCRIPTS / "steps_worker.py")]
 
 
-@pytest.mark.parametrize("fault, state, on_localhost, fault_epoch", [
-    ("raise", "torch", 1, 1), ("raise", "torch-sharded", 1, 1),
-    ("raise", "torch-sharded", 1, 0),  # before the first commit: the shards are re-planned from none kept
-    ("kill", "object", 2, 1)])
-def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: Path, fault: str, state: str,
-                                                                       on_localhost: int, fault_epoch: int) -> None:
+@pytest.mark.parametrize("fault, state, on_localhost, fault_epoch, copies", [
+    ("raise", "torch", 1, 1, 1),
+    # Ranks 0 and 1 (both on localhost) lost together: their shards come from ranks 2 and 3, which
+    # each keep copies of their two predecessors' (HORA_ELASTIC_SHARD_COPIES=2).
+    ("raise", "torch-sharded", 2, 1, 2),
+    ("raise", "torch-sharded", 1, 0, 1),  # before the first commit: the shards are re-planned from none kept
+    ("kill", "object", 2, 1, 1)])
+def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(
+        tmp_path: Path, fault: str, state: str, on_localhost: int, fault_epoch: int, copies: int) -> None:
     if state.startswith("torch"):
         pytest.importorskip("torch")
     mark = tmp_path / "fault.mark"
@@ -43,6 +47,7 @@ def test_rank_0_fails_and_the_survivors_finish_every_epoch_at_size_2(tmp_path: P
     done = hora_run("--verbose", "-np", str(size), "--min-np", "2", "-H", f"localhost:{on_localhost},127.0.0.1:2",
                     "--elastic-timeout", "60",
                     "env", f"ELASTIC_STATE={state}", f"FAULT={fault}", f"FAULT_MARK={mark}",
+                    f"HORA_ELASTIC_SHARD_COPIES={copies}",
                     f"FAULT_AT={fault_epoch},0",
                     f"EPOCHS={EPOCHS}", f"BATCHES={BATCHES}", sys.executable, str(SCRIPTS / "epochs_worker.py"),
                     timeout=180)

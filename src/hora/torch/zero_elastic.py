@@ -3,12 +3,12 @@
 An unsharded optimizer's commit is a local copy on every rank, and any survivor can hand the whole
 state to the re-formed world. A sharded optimizer's state exists once, spread over the ranks, so a
 rank that fails or leaves takes its shard with it. Here each commit keeps this rank's shard and
-sends a copy of it to the next member of the process set (its successor on a ring), so the state
-survives the loss of any one rank, and of several that are not neighbours. When the world has been
-re-formed, every rank gathers what the survivors kept, the shard plan is computed for the new
-world, and each rank loads the state of the parameters it now owns. Parameters whose state no
-survivor kept (a rank and its successor both lost) raise an error naming them, rather than
-training on with their state silently reset.
+sends a copy of it to the next member of the process set (its successor on a ring), or to the next
+``HORA_ELASTIC_SHARD_COPIES`` members, so the state survives the loss of that many neighbouring ranks
+(and of more that are not neighbours). When the world has been re-formed, every rank gathers what
+the survivors kept, the shard plan is computed for the new world, and each rank loads the state of
+the parameters it now owns. Parameters whose state no survivor kept (a rank and all its copies'
+holders lost) raise an error naming them, rather than training on with their state silently reset.
 
 A commit is numbered, and each rank keeps its last two. A rank that fails during a commit's
 exchange may leave the commit done on some ranks and not on others, and the re-formed world takes
@@ -23,8 +23,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora import config
 from hora.torch.zero import ZeroRedundancyOptimizer
-from hora.torch.zero_state import from_bytes, gather_everywhere, hyperparameters, send_to, to_bytes
+from hora.torch.zero_state import from_bytes, gather_everywhere, hyperparameters, send_to_each, to_bytes
 
 
 @dataclass
@@ -71,12 +72,19 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False, after: ShardS
                          copy.deepcopy([hyperparameters(group) for group in zero.param_groups]), number, previous)
     if initial or zero.members == 1:
         return mine
-    received, _ = send_to(data, (zero.member + 1) % zero.members, zero.process_set,
-                          name=f"{zero.name}.elastic.replica")
-    state, theirs = from_bytes(received)
-    mine.state.update(state)
-    mine.covered.update(theirs)
+    copies = min(int(config.get("elastic_shard_copies")), zero.members - 1)
+    successors = [(zero.member + k) % zero.members for k in range(1, copies + 1)]
+    for piece in send_to_each(data, successors, zero.process_set, name=f"{zero.name}.elastic.replica"):
+        state, theirs = from_bytes(piece)
+        mine.state.update(state)
+        mine.covered.update(theirs)
     return mine
+
+
+def copies_kept() -> str:
+    """How many ranks after each one keep a copy of its shard, in words for an error message."""
+    copies = int(config.get("elastic_shard_copies"))
+    return "rank after it" if copies == 1 else f"{copies} ranks after it"
 
 
 def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, world_changed: bool) -> tuple[bool, int | None]:
@@ -106,8 +114,10 @@ def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, world_changed: b
         if lost:
             raise RuntimeError(
                 f"the sharded optimizer state of parameters at positions {lost[:20]} (of {count}) was kept only "
-                f"by ranks that left the job: a rank and the next one in its process set were both lost between "
-                f"commits. Restart from a checkpoint written with consolidate_state_dict()")
+                f"by ranks that left the job: a rank and the {copies_kept()} in its process set, which keep its "
+                f"copies, were all lost between commits. Restart from a checkpoint written with "
+                f"consolidate_state_dict(), and set {config.knob('elastic_shard_copies').env} higher to keep more "
+                f"copies")
         mine = versions[target][0] if target in versions else {}
     else:
         mine = kept.state  # nobody has committed: each survivor's state from when it was built

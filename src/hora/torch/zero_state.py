@@ -37,14 +37,16 @@ def from_bytes(data: torch.Tensor | bytes) -> Any:
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
-def send_to(data: torch.Tensor, member: int, process_set: ProcessSet,
-            name: str | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Every member sends ``data`` (bytes, :func:`to_bytes`) to member ``member`` of the set only, one
-    alltoall: what each rank received, and how many bytes came from each member."""
+def send_to_each(data: torch.Tensor, members: Sequence[int], process_set: ProcessSet,
+                 name: str | None = None) -> list[torch.Tensor]:
+    """Every member sends ``data`` (bytes) to each of its own ``members`` (by index), one alltoall:
+    the pieces this rank received, one per member that sent it some, in member order."""
     splits = [0] * len(process_set.ranks)
-    splits[member] = data.numel()
-    received, sizes = mpi_ops.alltoall(data, splits=splits, process_set=process_set, name=name)
-    return received, [int(s) for s in sizes]
+    for member in members:
+        splits[member] = data.numel()
+    send = data if len(members) == 1 else data.repeat(len(members))
+    received, sizes = mpi_ops.alltoall(send, splits=splits, process_set=process_set, name=name)
+    return [piece for piece in torch.split(received, [int(s) for s in sizes]) if piece.numel()]
 
 
 def gather_to(obj: Any, to: int, process_set: ProcessSet) -> list[Any] | None:
@@ -53,10 +55,10 @@ def gather_to(obj: Any, to: int, process_set: ProcessSet) -> list[Any] | None:
     An alltoall in which every member sends only to ``to``: unlike an allgather, no other rank ever
     holds more than its own part, which is the point of sharding the state.
     """
-    received, sizes = send_to(to_bytes(obj), process_set.ranks.index(to), process_set)
+    pieces = send_to_each(to_bytes(obj), [process_set.ranks.index(to)], process_set)
     if basics.rank() != to:
         return None
-    return [from_bytes(piece) for piece in torch.split(received, sizes)]
+    return [from_bytes(piece) for piece in pieces]
 
 
 def gather_everywhere(obj: Any, process_set: ProcessSet) -> list[Any]:

@@ -64,7 +64,10 @@ def torch_parts(seed: int):
     import torch
 
     torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 2)
+    # Six parameters: sharded over 4 ranks each rank owns some (ranks 0 and 1 one each), so losing
+    # two neighbours loses state unless a copy survived elsewhere.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, optimizer
 
