@@ -95,6 +95,19 @@ def test_coordinator_waits_for_a_joined_rank_on_a_collective_that_runs_through_j
     assert rs.error is None and rs.joined == () and rs.cacheable
 
 
+def test_a_collective_only_joined_ranks_have_submitted_is_not_a_stall():
+    # A joined rank's join probe waits for the others' next step as long as they train (evaluating,
+    # checkpointing): as a joined rank waits in join(), it is not reported, nor fatal.
+    c = Coordinator([0, 1, 2])
+    c.submit(2, [("j", JOIN), ("probe", ar(through_join=True))])
+    c.ready()
+    report = c.stalls(now=1e9, warn_after=1.0, fail_after=2.0)
+    assert report.warnings == [] and report.fatal is None
+    c.submit(0, [("probe", ar(through_join=True))])  # a training rank's step began: now it is one
+    report = c.stalls(now=2e9, warn_after=1.0, fail_after=2.0)
+    assert report.fatal is not None and "[1]" in report.fatal
+
+
 def test_coordinator_names_ranks_that_disagree_on_running_through_join():
     c = Coordinator([0, 1])
     c.submit(0, [("a", ar(through_join=True))])

@@ -60,6 +60,13 @@ def train(opt, model, steps, r, n, first: int = 0, passes: int = 1, clip: float 
     return weights(model)
 
 
+def _closure_loss(opt, model, s, r, n):
+    opt.zero_grad()
+    loss = loss_of(model, *shard(s, r, n))
+    loss.backward()
+    return loss
+
+
 def held_gradients(model) -> list[int]:
     return [i for i, p in enumerate(model.parameters()) if p.grad is not None]
 
@@ -228,23 +235,40 @@ def _job(checkpoint=None) -> list:
         return out
 
     def join_uneven():
-        # Uneven data: rank r has 12 - 3r batches, then calls hvd.join(). Horovod's rule (a joined
-        # rank's gradients count as zeros in the average) decides the last rank's weights; sharded, the
-        # joined ranks keep stepping their shards, and every rank ends with those weights.
+        # Uneven data: rank r has 12 - 6r batches (at 3 ranks the last has none: it joins before the
+        # first step), then calls hvd.join(). Horovod's rule (a joined rank's gradients count as zeros
+        # in the average) decides the last rank's weights; sharded, the joined ranks keep stepping their
+        # shards, and every rank ends with those weights. A scheduler changes the learning rate every
+        # step on the training ranks only: the joined ranks' shards must step with it.
         out = {}
-        steps = 12 - 3 * r
+        steps = 12 - 6 * r
+
+        def train_and_join(model, opt):
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+            for s in range(steps):
+                opt.zero_grad()
+                loss_of(model, *shard(s, r, n)).backward()
+                opt.step()
+                scheduler.step()
+            return {"last": hvd.join(), "weights": weights(model)}
+
         for key, kwargs in (("distributed", {}), ("stage1", {"shard_optimizer_state": True}),
                             ("stage2", {"shard_gradients": True})):
             model = make_model()
-            opt = wrap(model, ADAM, f"join.{key}", **kwargs)
-            train(opt, model, steps, r, n)
-            last = hvd.join()
-            out[key] = {"weights": weights(model), "last": last}
+            out[key] = train_and_join(model, wrap(model, ADAM, f"join.{key}", **kwargs))
         model = make_model()
-        opt = hvd.ZeroRedundancyOptimizer(model.parameters(), ADAM[0], **ADAM[1])
-        train(opt, model, steps, r, n)
-        last = hvd.join()
-        out["zero"] = {"weights": weights(model), "last": last}
+        out["zero"] = train_and_join(model, hvd.ZeroRedundancyOptimizer(model.parameters(), ADAM[0], **ADAM[1]))
+        # A step with a closure cannot be served by a rank in join(): the training rank's step raises,
+        # the joined ranks skip it, and the job goes on (every rank then joins).
+        model = make_model()
+        opt = wrap(model, ADAM, "join.closure", shard_optimizer_state=True)
+        refused = None
+        if r == 0:
+            try:
+                opt.step(functools.partial(_closure_loss, opt, model, 0, r, n))
+            except Exception as exc:  # the test reads the type and message
+                refused = (type(exc).__name__, str(exc))
+        out["closure"] = {"refused": refused, "last": hvd.join(), "weights": weights(model)}
         return out
 
     def refusals():
@@ -398,7 +422,8 @@ def test_a_parameter_one_rank_leaves_unused_is_reduced_without_waiting_in_backwa
 def test_with_uneven_data_joined_ranks_keep_stepping_their_shards(job):
     """hvd.join() with a sharded optimizer (stages 1 and 2, and the standalone ZeroRedundancyOptimizer):
     the rank with the most data ends where the unsharded DistributedOptimizer under Horovod's join
-    ends, and the ranks that joined early hold the same weights (they received every step's)."""
+    ends (a scheduler's learning rate included), and the ranks that joined early, at 3 ranks one
+    before the first step, hold the same weights (they received every step's)."""
     reference = job.get("join", 0)["distributed"]
     for key in ("stage1", "stage2", "zero"):
         for r in range(job.size):
@@ -407,6 +432,16 @@ def test_with_uneven_data_joined_ranks_keep_stepping_their_shards(job):
             assert_close_lists(got["weights"], reference["weights"])
             assert all(torch.equal(a, b) for a, b in zip(got["weights"], job.get("join", 0)[key]["weights"]))
     assert all(job.get("join", r)["distributed"]["last"] == 0 for r in range(job.size))
+
+
+def test_a_closure_step_while_ranks_are_in_join_is_refused_and_the_job_goes_on(job):
+    kind, message = job.get("join", 0)["closure"]["refused"]
+    assert kind == "UnsupportedOperationError" and "step(closure)" in message and "hvd.join()" in message
+    assert str(list(range(1, job.size))) in message  # names the ranks in join()
+    for r in range(job.size):
+        got = job.get("join", r)["closure"]
+        assert got["last"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(got["weights"], weights(make_model())))  # nobody stepped
 
 
 def test_each_rank_holds_its_share_of_the_optimizer_state(job):

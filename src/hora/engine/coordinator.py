@@ -238,7 +238,10 @@ class Coordinator:
         for name, entry in self._pending.items():
             waited = now - entry.first_seen
             missing = [self.members[m] for m in self._needed(entry) if m not in entry.signatures]
-            if not missing:
+            if not missing or all(m in self._joined for m in entry.signatures):
+                # Submitted by joined members alone (a sharded optimizer's join probe): they wait for
+                # the others' next step, as a joined rank waits for the others to join, for as long
+                # as the others train.
                 continue
             if fail_after > 0 and waited >= fail_after and fatal is None:
                 fatal = (

@@ -773,8 +773,10 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
                                              **self.defaults)
         if carried:  # state the optimizer had before it was wrapped: each rank keeps its shard's
             self._zero.keep_owned_state(carried)
+        self._probe: mpi_ops.TorchHandle | None = None  # this step's join probe, once submitted
+        self._serving = False  # taking part in the others' step from inside hvd.join()
         sharded_join.unregister(self._zero)  # hvd.join() drives this optimizer, hooks and all
-        if self._process_set.included() and self._process_set.size() > 1:
+        if self._process_set.included():  # even alone: an elastic world may grow
             sharded_join.register(self)
 
     # ---- hvd.join() (hora.torch.sharded_join) -----------------------------------------------------
@@ -787,27 +789,65 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
     def join_process_set(self) -> ProcessSet:
         return self._process_set
 
+    def _probe_this_step(self) -> None:
+        """Submit this step's join probe, before any of the step's collectives (the first bucket's may
+        check the parameters or reshard, which a joined rank takes part in only once probed)."""
+        if self._probe is None and not self._serving and not self._excluded and self._process_set.size() > 1:
+            self._probe = sharded_join.start_probe(self, sharded_join.STEP)
+
     def _start_reduction(self, key: Any, p: torch.Tensor) -> None:
+        self._probe_this_step()
         with collectives.through_join():
             super()._start_reduction(key, p)
 
     def synchronize(self) -> None:
-        """Finish this step's reductions, first probing for ranks in ``hvd.join()``, which take part
-        in the step with zero gradients (:mod:`hora.torch.sharded_join`)."""
-        probe = None if self._excluded or self._process_set.size() == 1 else sharded_join.start_probe(self, True)
+        """Finish this step's reductions. Ranks in ``hvd.join()`` take part in the step with zero
+        gradients (:mod:`hora.torch.sharded_join`): the step's probe says which, and while there are
+        any, every rank takes the parameter groups' settings of the lowest training rank."""
+        self._probe_this_step()
         with collectives.through_join():
             super().synchronize()
+            # The first step's parameter check (or a reshard elastic training left): here, where a
+            # joined rank takes part too, not in clip_grad_norm_ or step, which it may not reach alike.
+            self._zero.before_collectives()
+        probe, self._probe = self._probe, None
         if probe is not None:
-            mpi_ops.synchronize(probe)
+            training, _ = sharded_join.probed(probe)
+            if len(training) < self._process_set.size():
+                sharded_join.agree_on_step(self, self.param_groups, training)
 
-    def serve_joined_step(self) -> None:
-        """On a rank in ``hvd.join()``: the others' step, with zero gradients from this rank."""
+    def _step_with_closure(self, closure):
+        # Probed before anything of the step: a rank in hvd.join() cannot run the closure, so the step
+        # is refused while one is there (it skips the step; see hora.torch.sharded_join).
+        if not self._excluded and self._process_set.size() > 1:
+            training, _ = sharded_join.probed(sharded_join.start_probe(self, sharded_join.CLOSURE_STEP))
+            if len(training) < self._process_set.size():
+                raise sharded_join.refusal(self, "DistributedOptimizer(shard_...).step(closure)", training)
+        return super()._step_with_closure(closure)
+
+    def _reset_step(self) -> None:
+        super()._reset_step()
+        probe, self._probe = self.__dict__.get("_probe"), None
+        if probe is not None:
+            try:
+                mpi_ops.synchronize(probe)
+            except HoraError:
+                pass  # the job is failing (elastic restore): the step is dropped anyway
+
+    def serve_joined_step(self, training: list[int]) -> None:
+        """On a rank in ``hvd.join()``: the ``training`` members' step, with zero gradients from this rank."""
         for p in self._requires_update:
             p.grad = None  # reduced as zeros
-        with collectives.through_join():
-            _DistributedOptimizer.synchronize(self)
-        with self.skip_synchronize():
-            self.step()
+        self._serving = True
+        try:
+            with collectives.through_join():
+                _DistributedOptimizer.synchronize(self)
+                self._zero.before_collectives()
+            sharded_join.agree_on_step(self, self.param_groups, training)
+            with self.skip_synchronize():
+                self.step()
+        finally:
+            self._serving = False
 
     @property
     def state(self) -> Any:

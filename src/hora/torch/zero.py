@@ -115,7 +115,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._checked = False
         self._build()
         self._built = True
-        if self._included and self._members > 1:
+        if self._included:  # even alone: an elastic world may grow
             sharded_join.register(self)
 
     # ---- the shard plan and the local optimizer ---------------------------------------------------
@@ -299,20 +299,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         A rank that has run out of data calls ``hvd.join()``, which keeps stepping its shard while the
         others train (:mod:`hora.torch.sharded_join`); each step starts with the join probe for that.
         """
-        probe = sharded_join.start_probe(self, training=True) if self._members > 1 else None
-        loss = self._step(closure, **kwargs)
-        if probe is not None:
-            mpi_ops.synchronize(probe)
-        return loss
+        if self._members > 1:
+            entry = sharded_join.STEP if closure is None else sharded_join.CLOSURE_STEP
+            training, _ = sharded_join.probed(sharded_join.start_probe(self, entry))
+            if len(training) < self._members:
+                if closure is not None:
+                    raise sharded_join.refusal(self, "ZeroRedundancyOptimizer.step(closure)", training)
+                sharded_join.agree_on_step(self, self.param_groups, training)
+        return self._step(closure, **kwargs)
 
     def _step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         with collectives.through_join():
             self._before_step()
             if closure is None:
                 self._reduce_gradients()
-                loss = self.optim.step(**kwargs)
-            else:
-                loss = self.optim.step(self._averaging(closure), **kwargs)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(self._averaging(closure), **kwargs)
+        with collectives.through_join():
             self._gather_parameters()
         return loss
 
@@ -324,7 +329,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for joined ranks (:mod:`hora.torch.sharded_join`)."""
         with collectives.through_join():
             self._before_step()
-            loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        with collectives.through_join():
             self._gather_parameters()
         return loss
 
@@ -338,10 +344,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def join_process_set(self) -> ProcessSet:
         return self._process_set
 
-    def serve_joined_step(self) -> None:
-        """On a rank in ``hvd.join()``: the others' step, with zero gradients from this rank."""
+    def serve_joined_step(self, training: list[int]) -> None:
+        """On a rank in ``hvd.join()``: the ``training`` members' step, with zero gradients from this rank."""
         for p in self._params:
             p.grad = None  # packed as zeros
+        sharded_join.agree_on_step(self, self.param_groups, training)
         self._step(None)
 
     def _before_step(self) -> None:
@@ -355,10 +362,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         def averaged() -> Any:
             with torch.enable_grad():
                 loss = closure()
-            self._reduce_gradients()
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._members > 1:
-                loss = mpi_ops.allreduce(loss.detach(), name=f"{self._name}.closure_loss", op=Average,
-                                         process_set=self._process_set)
+            with collectives.through_join():
+                self._reduce_gradients()
+                if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._members > 1:
+                    loss = mpi_ops.allreduce(loss.detach(), name=f"{self._name}.closure_loss", op=Average,
+                                             process_set=self._process_set)
             return loss
         return averaged
 
