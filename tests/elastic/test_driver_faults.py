@@ -6,9 +6,9 @@ with two workers on the failed host, which are lost together), and by SIGKILL (a
 job). Each time the launcher blacklists localhost
 (where the SIGKILL job also has a second worker, which it stops), and the two workers on 127.0.0.1
 re-form a world of 2 in the same processes (the next rendezvous round), roll back to their last
-commit and finish every epoch; the job exits 0. The torch job has one worker on localhost, not two:
-each torch worker costs about 5 s of CPU to start. What is checked comes from the workers' LOG lines
-(tests/elastic/scripts/epochs_worker.py).
+commit and finish every epoch; the job exits 0. Most torch jobs have one worker on localhost, not
+two (each torch worker costs about 5 s of CPU to start); the one that loses two ranks together has
+two. What is checked comes from the workers' LOG lines (tests/elastic/scripts/epochs_worker.py).
 With --blacklist-cooldown-range, the failed host comes back and the world grows to 4 again
 (tests/elastic/scripts/steps_worker.py).
 """

@@ -294,6 +294,16 @@ def _partial_commit() -> dict[str, Any]:
             return {}
         return {p: {k: v.tolist() for k, v in s.items()} for p, s in optimizer.state_dict()["state"].items()}
 
+    # The first commit, done on rank 1 only: every rank goes back to the state it was built with.
+    built = (handlers["optimizer"].saved, copy.deepcopy(handlers["model"].saved))
+    _train_step(model, optimizer, x)
+    state.commit()
+    if rank == 0:
+        handlers["optimizer"].saved, handlers["model"].saved = built
+    state.restore()
+    state.sync()
+    at_build = whole_state()
+
     _train_step(model, optimizer, x)
     state.commit()
     at_first = whole_state()
@@ -306,7 +316,7 @@ def _partial_commit() -> dict[str, Any]:
     _train_step(model, optimizer, x)  # not committed: rolled back
     state.restore()
     state.sync()
-    return {"restored": whole_state(), "first": at_first, "second": at_second}
+    return {"restored": whole_state(), "first": at_first, "second": at_second, "at_build": at_build}
 
 
 def test_restore_gives_back_the_committed_model_optimizer_scheduler_sampler_and_attributes(
@@ -333,6 +343,7 @@ def test_after_a_commit_that_completed_on_some_ranks_only_every_shard_comes_from
     got = torch_job.get("partial_commit", 0)
     assert got["first"] != got["second"]  # the commits differ, so the check can tell them apart
     assert got["restored"] == got["first"]
+    assert got["at_build"] == {}  # the first commit made on rank 1 only: back to no Adam state anywhere
 
 
 def test_state_follows_a_reassigned_model(torch_job: JobResults) -> None:

@@ -187,8 +187,16 @@ class _ShardedOptimizerHandler(_Handler):
 
     def save(self) -> None:
         # The first save is the state's construction, where a rank joining a running job stands alone.
-        self.saved = zero_elastic.snapshot(self.zero, initial=self._first, after=None if self._first else self.saved)
-        self._first = False
+        if self._first:
+            self.saved = zero_elastic.snapshot(self.zero, initial=True)
+            self.pending: zero_elastic.ShardSnapshot | None = None
+            self._first = False
+            return
+        # Exchanged, then confirmed: the commit counts as made (and TorchState saves the rest) only
+        # once every rank has its copies (see hora.torch.zero_elastic).
+        self.pending = zero_elastic.snapshot(self.zero, after=self.saved)
+        zero_elastic.confirm(self.zero)
+        self.saved, self.pending = self.pending, None
 
     def _drop_pending_reductions(self) -> None:
         """Reductions of the step the world left (a DistributedOptimizer's): no world takes their results."""
@@ -216,11 +224,12 @@ class _ShardedOptimizerHandler(_Handler):
         self._reshard(world_changed)
 
     def _reshard(self, world_changed: bool) -> None:
-        resharded, commit = zero_elastic.reshard(self.zero, self.saved, world_changed)
+        resharded, commit = zero_elastic.reshard(self.zero, self.saved, self.pending, world_changed)
+        self.pending = None
         if resharded:
             # The copies now follow the new ring: a rank lost before the next commit is covered too.
             # Numbered as the commit it restored, so every rank (a joining one too) counts alike.
-            self.saved = zero_elastic.snapshot(self.zero, commit=commit if commit is not None else 0)
+            self.saved = zero_elastic.snapshot(self.zero, commit=commit)
 
 
 class _SamplerHandler(_Handler):

@@ -243,8 +243,9 @@ class PowerSGDReducer(StepReducer):
                 "q": dict(self._q), "error": dict(self._error)}
 
     def shared_state(self) -> dict[str, Any]:
-        """The step count and Q (the same on every rank, coming out of an allreduce)."""
-        return {**super().shared_state(), "q": dict(self._q)}
+        """The step count and Q (the same on every rank, coming out of an allreduce), Q on the CPU: it
+        travels pickled, and a CUDA tensor would unpickle on the root's device on every rank."""
+        return {**super().shared_state(), "q": {k: v.detach().cpu() for k, v in self._q.items()}}
 
     def load_shared_state(self, state: Mapping[str, Any]) -> None:
         super().load_shared_state(state)

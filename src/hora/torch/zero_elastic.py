@@ -10,11 +10,13 @@ the survivors kept, the shard plan is computed for the new world, and each rank 
 the parameters it now owns. Parameters whose state no survivor kept (a rank and all its copies'
 holders lost) raise an error naming them, rather than training on with their state silently reset.
 
-A commit is numbered, and each rank keeps its last two. A rank that fails during a commit's
-exchange may leave the commit done on some ranks and not on others, and the re-formed world takes
-the model, the sampler and the counters from rank 0 (``TorchState.sync``). So the reshard takes
-every rank's shard of the commit that member 0 of the process set last completed, which every
-survivor holds either as its last commit or as the one before.
+Commits are numbered (the snapshot a rank takes when its elastic state is built is 0), and each
+rank keeps its last two. A commit's exchange is followed by a one-element allreduce, the
+confirmation: only once it completes does the rank count the commit as made (and save the rest of
+its elastic state). It completes on a rank only if every rank finished the exchange, so a commit
+that some rank counts as made is held whole by the survivors, as a made or a pending snapshot.
+The re-formed world takes the model, the sampler and the counters from rank 0
+(``TorchState.sync``), so the reshard loads every shard from the commit member 0 last made.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora import config
+import torch
+
+from hora import basics, config
+from hora.basics import Sum
+from hora.torch import mpi_ops
 from hora.torch.zero import ZeroRedundancyOptimizer
 from hora.torch.zero_state import from_bytes, gather_everywhere, hyperparameters, send_to_each, to_bytes
 
@@ -45,13 +51,10 @@ class ShardSnapshot:
     commit: int = -1  #: the commit's number, the same on every rank of the world
     previous: ShardSnapshot | None = None  #: the commit before, kept in case this one failed elsewhere
 
-    def versions(self) -> dict[int, tuple[dict[int, Any], list[int]]]:
-        """The state and covered positions of each commit this rank holds, by commit number."""
-        out = {}
-        for kept in (self, self.previous):
-            if kept is not None and not kept.initial:
-                out[kept.commit] = (kept.state, sorted(kept.covered))
-        return out
+    def versions(self, pending: ShardSnapshot | None = None) -> dict[int, ShardSnapshot]:
+        """Each snapshot this rank holds, by commit number: this one, the one before, and a
+        ``pending`` one (exchanged, not confirmed)."""
+        return {kept.commit: kept for kept in (self.previous, self, pending) if kept is not None}
 
 
 def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False, after: ShardSnapshot | None = None,
@@ -65,7 +68,7 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False, after: ShardS
     data = to_bytes((zero.shard_state(), covered))  # one copy, to the CPU: kept here and sent on
     own, _ = from_bytes(data)
     number = commit if commit is not None else (after.commit + 1 if after is not None else 0)
-    previous = copy.copy(after) if after is not None and not after.initial else None
+    previous = copy.copy(after) if after is not None else None
     if previous is not None:
         previous.previous = None  # two commits are kept, not the whole history
     mine = ShardSnapshot(own, set(covered), initial,
@@ -81,46 +84,60 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False, after: ShardS
     return mine
 
 
-def copies_kept() -> str:
+def confirm(zero: ZeroRedundancyOptimizer) -> None:
+    """Every member, after a commit's exchange: returns once every member has finished it (raises if
+    one failed), so that the commit can count as made (see the module's text)."""
+    if zero.members > 1:
+        mpi_ops.allreduce(torch.ones(1), name=f"{zero.name}.elastic.confirm", op=Sum, process_set=zero.process_set)
+
+
+def copies_kept(zero: ZeroRedundancyOptimizer) -> str:
     """How many ranks after each one keep a copy of its shard, in words for an error message."""
-    copies = int(config.get("elastic_shard_copies"))
+    copies = min(int(config.get("elastic_shard_copies")), max(1, zero.members - 1))
     return "rank after it" if copies == 1 else f"{copies} ranks after it"
 
 
-def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, world_changed: bool) -> tuple[bool, int | None]:
+def reshard(zero: ZeroRedundancyOptimizer, kept: ShardSnapshot, pending: ShardSnapshot | None,
+            world_changed: bool) -> tuple[bool, int]:
     """Re-plan ``zero`` for the process set as it is now and load each rank's new shard from what
-    every rank ``kept``; every member calls it. ``world_changed``: this rank saw the world re-formed
+    every rank kept (``kept``: its last made commit, with the one before; ``pending``: one exchanged
+    but not confirmed); every member calls it. ``world_changed``: this rank saw the world re-formed
     (a restore or a reset) since the optimizer was planned. Returns whether it resharded, and the
-    number of the commit it loaded (None: no rank had committed).
+    number of the commit it loaded.
 
-    The state loaded is the commit member 0 last completed, from every rank that holds it (a rank
-    that joined holds none). Where no rank has committed yet, it is each survivor's state from when
-    its elastic state was built, and the plan is redone only if some rank saw the world change: a
-    job's first sync changes nothing."""
-    versions = kept.versions()
+    The state loaded is the commit member 0 last made. Where that is its snapshot from when its
+    elastic state was built (no commit yet), it is each rank's own such snapshot (a rank lost before
+    the first commit takes nothing with it that a fresh optimizer lacks), and the plan is redone only
+    if some rank saw the world change: a job's first sync changes nothing. Each parameter's state is
+    sent once, by the first member that holds it."""
+    versions = kept.versions(pending)
     # First what each rank holds (small), then only the state of the commit chosen.
-    held = ({commit: covered for commit, (_, covered) in versions.items()}, kept.initial, kept.commit,
-            bool(world_changed))
+    held = ({number: sorted(v.covered) for number, v in versions.items() if not v.initial}, kept.commit,
+            kept.initial, bool(world_changed))
     together = zero.process_set.included() and len(zero.process_set.ranks) > 1
     parts = gather_everywhere(held, zero.process_set) if together else [held]
-    # The commit member 0 last completed: the one whose model and counters the sync spreads.
-    target = next((commit for _, initial, commit, _ in parts if not initial), None)
-    holders = [] if target is None else [covers[target] for covers, *_ in parts if target in covers]
-    if not holders and not any(changed for *_, changed in parts):
-        return False, target
-    if holders:
+    _, target, initial, _ = parts[0]  # member 0's last made commit: the sync spreads its model
+    if initial:
+        if not any(changed for *_, changed in parts):
+            return False, target
+        mine = next((v.state for v in versions.values() if v.initial), {})
+    else:
         count = len(zero.shard_plan.sizes)
-        lost = sorted(set(range(count)) - {i for covered in holders for i in covered})
+        sender: dict[int, int] = {}  # position -> the first member holding it
+        for member, (covers, *_) in enumerate(parts):
+            for position in covers.get(target, ()):
+                sender.setdefault(position, member)
+        lost = sorted(set(range(count)) - set(sender))
         if lost:
             raise RuntimeError(
                 f"the sharded optimizer state of parameters at positions {lost[:20]} (of {count}) was kept only "
-                f"by ranks that left the job: a rank and the {copies_kept()} in its process set, which keep its "
-                f"copies, were all lost between commits. Restart from a checkpoint written with "
+                f"by ranks that left the job: a rank and the {copies_kept(zero)} in its process set, which keep "
+                f"its copies, were all lost between commits. Restart from a checkpoint written with "
                 f"consolidate_state_dict(), and set {config.knob('elastic_shard_copies').env} higher to keep more "
                 f"copies")
-        mine = versions[target][0] if target in versions else {}
-    else:
-        mine = kept.state  # nobody has committed: each survivor's state from when it was built
+        me = zero.process_set.ranks.index(basics.rank()) if together else 0  # in the re-formed world
+        state = versions[target].state if target in versions else {}
+        mine = {position: value for position, value in state.items() if sender.get(position) == me}
     states = gather_everywhere(mine, zero.process_set) if together else [mine]
     merged: dict[int, Any] = {}
     for state in states:
