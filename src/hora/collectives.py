@@ -49,13 +49,12 @@ _THROUGH_JOIN: ContextVar[bool] = ContextVar("hora_through_join", default=False)
 
 
 @contextmanager
-def through_join(enabled: bool = True) -> Iterator[None]:
+def through_join() -> Iterator[None]:
     """Collectives submitted inside this block (in this thread or task) run through join: every rank
     takes part, a joined one included, and negotiation waits for it (hora's sharded optimizers, whose
     joined ranks keep stepping their shards: :mod:`hora.torch.sharded_join`). Every rank must submit
-    such a collective the same way; ranks that disagree fail negotiation, naming it.
-    ``enabled=False`` turns it off inside such a block (a user's closure)."""
-    token = _THROUGH_JOIN.set(enabled)
+    such a collective the same way; ranks that disagree fail negotiation, naming it."""
+    token = _THROUGH_JOIN.set(True)
     try:
         yield
     finally:

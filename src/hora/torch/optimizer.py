@@ -789,11 +789,25 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
     def join_process_set(self) -> ProcessSet:
         return self._process_set
 
+    @property
+    def _probing(self) -> bool:
+        """Whether this rank's steps probe for ranks in ``hvd.join()`` (a member of a set of several)."""
+        return not self._excluded and self._process_set.size() > 1
+
     def _probe_this_step(self) -> None:
         """Submit this step's join probe, before any of the step's collectives (the first bucket's may
         check the parameters or reshard, which a joined rank takes part in only once probed)."""
-        if self._probe is None and not self._serving and not self._excluded and self._process_set.size() > 1:
+        if self._probe is None and not self._serving and self._probing:
             self._probe = sharded_join.start_probe(self, sharded_join.STEP)
+
+    def _reduce_through_join(self) -> None:
+        """The step's reductions and the optimizer's first-collective checks, as every rank (a joined
+        one too) takes part in them."""
+        with collectives.through_join():
+            _DistributedOptimizer.synchronize(self)
+            # The first step's parameter check (or a reshard elastic training left): here, where a
+            # joined rank takes part too, not in clip_grad_norm_ or step, which it may not reach alike.
+            self._zero.before_collectives()
 
     def _start_reduction(self, key: Any, p: torch.Tensor) -> None:
         self._probe_this_step()
@@ -805,11 +819,7 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
         gradients (:mod:`hora.torch.sharded_join`): the step's probe says which, and while there are
         any, every rank takes the parameter groups' settings of the lowest training rank."""
         self._probe_this_step()
-        with collectives.through_join():
-            super().synchronize()
-            # The first step's parameter check (or a reshard elastic training left): here, where a
-            # joined rank takes part too, not in clip_grad_norm_ or step, which it may not reach alike.
-            self._zero.before_collectives()
+        self._reduce_through_join()
         probe, self._probe = self._probe, None
         if probe is not None:
             training, _ = sharded_join.probed(probe)
@@ -819,7 +829,7 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
     def _step_with_closure(self, closure):
         # Probed before anything of the step: a rank in hvd.join() cannot run the closure, so the step
         # is refused while one is there (it skips the step; see hora.torch.sharded_join).
-        if not self._excluded and self._process_set.size() > 1:
+        if self._probing:
             training, _ = sharded_join.probed(sharded_join.start_probe(self, sharded_join.CLOSURE_STEP))
             if len(training) < self._process_set.size():
                 raise sharded_join.refusal(self, "DistributedOptimizer(shard_...).step(closure)", training)
@@ -840,9 +850,7 @@ class _ShardedDistributedOptimizer(_DistributedOptimizer, _ShardedStep):
             p.grad = None  # reduced as zeros
         self._serving = True
         try:
-            with collectives.through_join():
-                _DistributedOptimizer.synchronize(self)
-                self._zero.before_collectives()
+            self._reduce_through_join()
             sharded_join.agree_on_step(self, self.param_groups, training)
             with self.skip_synchronize():
                 self.step()

@@ -313,10 +313,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._before_step()
             if closure is None:
                 self._reduce_gradients()
-        if closure is None:
-            loss = self.optim.step(**kwargs)
-        else:
-            loss = self.optim.step(self._averaging(closure), **kwargs)
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(self._averaging(closure), **kwargs)
         with collectives.through_join():
             self._gather_parameters()
         return loss

@@ -75,8 +75,7 @@ def snapshot(zero: ZeroRedundancyOptimizer, initial: bool = False, after: ShardS
                          copy.deepcopy([hyperparameters(group) for group in zero.param_groups]), number, previous)
     if initial or zero.members == 1:
         return mine
-    copies = min(int(config.get("elastic_shard_copies")), zero.members - 1)
-    successors = [(zero.member + k) % zero.members for k in range(1, copies + 1)]
+    successors = [(zero.member + k) % zero.members for k in range(1, _copies(zero) + 1)]
     for piece in send_to_each(data, successors, zero.process_set, name=f"{zero.name}.elastic.replica"):
         state, theirs = from_bytes(piece)
         mine.state.update(state)
@@ -91,9 +90,15 @@ def confirm(zero: ZeroRedundancyOptimizer) -> None:
         mpi_ops.allreduce(torch.ones(1), name=f"{zero.name}.elastic.confirm", op=Sum, process_set=zero.process_set)
 
 
+def _copies(zero: ZeroRedundancyOptimizer) -> int:
+    """How many ranks after each one keep a copy of its shard (HORA_ELASTIC_SHARD_COPIES, at most
+    every other member)."""
+    return min(int(config.get("elastic_shard_copies")), max(1, zero.members - 1))
+
+
 def copies_kept(zero: ZeroRedundancyOptimizer) -> str:
-    """How many ranks after each one keep a copy of its shard, in words for an error message."""
-    copies = min(int(config.get("elastic_shard_copies")), max(1, zero.members - 1))
+    """:func:`_copies` in words, for an error message."""
+    copies = _copies(zero)
     return "rank after it" if copies == 1 else f"{copies} ranks after it"
 
 
